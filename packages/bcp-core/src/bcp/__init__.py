@@ -1,0 +1,36 @@
+"""bcp: distributed checkpointing with load-time resharding.
+
+Every rank calls ``bcp.save(path, state)`` and ``bcp.load(path, state)``; a checkpoint saved in one
+parallel layout loads into any other. See ``docs/format.md`` for the on-storage format.
+"""
+
+from bcp.adapters import FrameworkAdapter, register_adapter
+from bcp.api import LoadResult, PhaseStats, SaveHandle, load, save
+from bcp.coord import Coordinator, SingleProcessCoordinator, TorchCoordinator
+from bcp.errors import (
+    AdapterError,
+    CheckpointError,
+    CheckpointNotCommittedError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DistributedError,
+    FormatVersionError,
+    MismatchError,
+    UnsafeCheckpointError,
+    UnsupportedValueError,
+)
+from bcp.layout import Box, FlatShard, TensorShard
+from bcp.storage import LocalStorage, Storage
+from bcp.version import __version__
+
+__all__ = [
+    "save", "load", "SaveHandle", "LoadResult", "PhaseStats",
+    "FrameworkAdapter", "register_adapter",
+    "Coordinator", "SingleProcessCoordinator", "TorchCoordinator",
+    "Storage", "LocalStorage",
+    "Box", "TensorShard", "FlatShard",
+    "CheckpointError", "CheckpointNotFoundError", "CheckpointNotCommittedError", "CorruptCheckpointError",
+    "FormatVersionError", "MismatchError", "UnsupportedValueError", "UnsafeCheckpointError",
+    "AdapterError", "DistributedError",
+    "__version__",
+]

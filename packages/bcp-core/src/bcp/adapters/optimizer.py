@@ -1,0 +1,132 @@
+"""Optimizer state keyed by parameter FQN, for ``torch.optim.Optimizer`` objects and for the
+FQN-keyed dicts of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``.
+
+Names: ``state/<param fqn>/<state key>`` for per-parameter state (tensors follow the parameter's
+sharding), ``param_groups`` for the groups' hyper-parameters with parameters listed by FQN.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from bcp.adapters.fqn import canonical, canonical_map
+from bcp.errors import AdapterError, MismatchError
+
+STATE = "state/"
+PARAM_GROUPS = "param_groups"
+
+
+def optimizer_values(model: Any, optimizer: Any, *, for_load: bool) -> dict[str, Any]:
+    if isinstance(optimizer, Mapping):
+        return _dict_values(optimizer)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise AdapterError(f"'optimizer' must be a torch.optim.Optimizer or an FQN-keyed state dict, "
+                           f"got {type(optimizer).__name__}")
+    names = _param_names(model)
+    if for_load:
+        initialize_state(optimizer)
+    values: dict[str, Any] = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            fqn = names[id(param)]
+            for key, value in optimizer.state.get(param, {}).items():
+                values[f"{STATE}{fqn}/{key}"] = value
+    values[PARAM_GROUPS] = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+    return values
+
+
+def apply_optimizer_values(model: Any, optimizer: Any, values: dict[str, Any]) -> None:
+    """Set hyper-parameters and non-tensor state; tensors were already filled in place."""
+    if isinstance(optimizer, Mapping):
+        _apply_to_dict(optimizer, values)
+        return
+    names = _param_names(model)
+    by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+    for name, value in values.items():
+        if name.startswith(STATE) and not isinstance(value, torch.Tensor):
+            fqn, key = name[len(STATE):].rsplit("/", 1)
+            optimizer.state[by_name[fqn]][key] = value
+    if PARAM_GROUPS in values:
+        _apply_groups(optimizer.param_groups, values[PARAM_GROUPS],
+                      [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups])
+
+
+def initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create missing per-parameter state by one step with zero gradients and a zero learning rate,
+    so a never-stepped optimizer has tensors to load into. Parameters do not change: every update
+    is scaled by the learning rate; other parameters' gradients are set aside for the step."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    missing = [p for p in params if p.requires_grad and not optimizer.state.get(p)]
+    if not missing:
+        return
+    missing_ids = {id(p) for p in missing}
+    saved_grads = {id(p): p.grad for p in params}
+    saved_lrs = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p) if id(p) in missing_ids else None
+        for g in optimizer.param_groups:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, saved_lrs):
+            g["lr"] = lr
+        for p in params:
+            p.grad = saved_grads[id(p)]
+
+
+def _param_names(model: Any) -> dict[int, str]:
+    if not isinstance(model, torch.nn.Module):
+        raise AdapterError("an Optimizer object needs the model in state['model'] (an nn.Module) to name "
+                           "its parameters; or pass an FQN-keyed optimizer state dict")
+    return {id(p): canonical(n) for n, p in model.named_parameters()}
+
+
+def _dict_values(osd: Mapping[str, Any]) -> dict[str, Any]:
+    state = osd.get("state")
+    groups = osd.get("param_groups")
+    if not isinstance(state, Mapping) or not isinstance(groups, list):
+        raise AdapterError("an optimizer state dict needs 'state' (a dict) and 'param_groups' (a list)")
+    if any(not isinstance(k, str) for k in state):
+        raise AdapterError(
+            "this optimizer state dict is keyed by parameter index (a raw optimizer.state_dict()), which "
+            "cannot be resharded; pass the Optimizer object itself, or the FQN-keyed dict from "
+            "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer)")
+    values: dict[str, Any] = {}
+    for fqn, per_param in canonical_map(state).items():
+        for key, value in state[per_param].items():
+            values[f"{STATE}{fqn}/{key}"] = value
+    values[PARAM_GROUPS] = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [canonical(p) for p in g["params"]]}
+        for g in groups
+    ]
+    return values
+
+
+def _apply_to_dict(osd: Any, values: dict[str, Any]) -> None:
+    originals = canonical_map(osd["state"])
+    for name, value in values.items():
+        if name.startswith(STATE) and not isinstance(value, torch.Tensor):
+            fqn, key = name[len(STATE):].rsplit("/", 1)
+            osd["state"][originals[fqn]][key] = value
+    if PARAM_GROUPS in values:
+        _apply_groups(osd["param_groups"], values[PARAM_GROUPS],
+                      [[canonical(p) for p in g["params"]] for g in osd["param_groups"]])
+
+
+def _apply_groups(live: list[dict], saved: list[dict], live_names: list[list[str]]) -> None:
+    if len(saved) != len(live):
+        raise MismatchError(f"the checkpoint has {len(saved)} optimizer param groups, the optimizer has "
+                            f"{len(live)}", key="optimizer/param_groups")
+    for i, (group, saved_group, names) in enumerate(zip(live, saved, live_names)):
+        if sorted(saved_group.get("params", [])) != sorted(names):
+            raise MismatchError(f"optimizer param group {i} holds other parameters than in the checkpoint",
+                                key="optimizer/param_groups")
+        for key, value in saved_group.items():
+            if key != "params":
+                group[key] = value

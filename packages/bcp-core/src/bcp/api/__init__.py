@@ -1,0 +1,7 @@
+"""The public entry points: ``save``, ``load`` and what they return."""
+
+from bcp.api.load import load
+from bcp.api.results import LoadResult, PhaseStats, SaveHandle
+from bcp.api.save import save
+
+__all__ = ["save", "load", "SaveHandle", "LoadResult", "PhaseStats"]

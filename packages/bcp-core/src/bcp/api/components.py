@@ -1,0 +1,64 @@
+"""The components of a ``state`` dict and how each is saved and restored.
+
+``model`` and ``optimizer`` go through the framework adapter and are resharded; every other key is
+a per-rank value (an object with ``state_dict``/``load_state_dict``, or a plain value).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from bcp.adapters.base import FrameworkAdapter
+from bcp.errors import CheckpointError
+
+MODEL = "model"
+OPTIMIZER = "optimizer"
+RESHARDED = (MODEL, OPTIMIZER)
+
+
+def is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def check_keys(state: Mapping[str, Any]) -> None:
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"state must be a dict of components, got {type(state).__name__}")
+    for key in state:
+        if not isinstance(key, str) or not key or "/" in key:
+            raise CheckpointError(f"component names must be non-empty strings without '/': {key!r}")
+
+
+def collect(state: Mapping[str, Any], adapter: FrameworkAdapter | None, *, for_load: bool) -> dict[str, Any]:
+    """Every value to save or fill, by full name: ``model/<fqn>``, ``optimizer/<name>``, and one
+    entry per other component."""
+    values: dict[str, Any] = {}
+    model = state.get(MODEL)
+    if MODEL in state:
+        values.update({f"{MODEL}/{k}": v for k, v in adapter.model_state(model).items()})
+    if OPTIMIZER in state:
+        optimizer_values = adapter.optimizer_state(model, state[OPTIMIZER], for_load=for_load)
+        values.update({f"{OPTIMIZER}/{k}": v for k, v in optimizer_values.items()})
+    for key, obj in state.items():
+        if key not in RESHARDED:
+            values[key] = obj.state_dict() if is_stateful(obj) else obj
+    return values
+
+
+def apply(state: dict[str, Any], adapter: FrameworkAdapter | None, loaded: dict[str, Any]) -> None:
+    """Give loaded values back to the live objects (tensors were already filled in place)."""
+    model = state.get(MODEL)
+    by_component: dict[str, dict[str, Any]] = {}
+    for name, value in loaded.items():
+        component, _, rest = name.partition("/")
+        by_component.setdefault(component, {})[rest] = value
+    if MODEL in by_component:
+        adapter.load_model_state(model, by_component[MODEL])
+    if OPTIMIZER in by_component:
+        adapter.load_optimizer_state(model, state[OPTIMIZER], by_component[OPTIMIZER])
+    for key in list(state):
+        if key in RESHARDED or key not in loaded:
+            continue
+        if is_stateful(state[key]):
+            state[key].load_state_dict(loaded[key])
+        else:
+            state[key] = loaded[key]

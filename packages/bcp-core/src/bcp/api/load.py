@@ -1,0 +1,120 @@
+"""``bcp.load``: every rank calls it; the checkpoint is resharded into the live objects' layout."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from bcp.adapters import adapter_for
+from bcp.api.components import RESHARDED, apply, check_keys, collect
+from bcp.api.location import resolve
+from bcp.api.results import LoadResult, PhaseStats
+from bcp.api.save import DEFAULT_IO_THREADS
+from bcp.coord import Coordinator, default_coordinator
+from bcp.coord.consensus import Outcome, all_agree, broadcast_from_root
+from bcp.engine.location import Location
+from bcp.engine.reader import ShardReader
+from bcp.errors import MismatchError
+from bcp.layout.manifest import Manifest
+from bcp.planning.load_plan import plan_reads
+from bcp.planning.pieces import is_tensor_value, pieces_of
+from bcp.storage import Storage
+
+_LISTED = 20  # names shown in a strict-mode error before "and N more"
+
+
+def load(
+    path: "str | os.PathLike | Storage",
+    state: dict[str, Any],
+    *,
+    framework: str | None = None,
+    strict: bool = True,
+    role: str | None = None,
+    coordinator: Coordinator | None = None,
+    allow_pickle: bool = False,
+    verify: bool = True,
+    io_threads: int = DEFAULT_IO_THREADS,
+) -> LoadResult:
+    """Load the newest committed checkpoint at ``path`` into ``state`` (in place).
+
+    Model and optimizer are resharded into the layout they have now. With ``strict``, every
+    requested entry must be saved and every saved entry of a requested component requested.
+    ``verify`` checks every byte read against its checksum.
+    """
+    check_keys(state)
+    coord = coordinator or default_coordinator()
+    location = resolve(path, role)
+    stats = PhaseStats()
+
+    with stats.phase("metadata"):
+        found = Outcome.of(lambda: _read_manifest(location)) if coord.rank == 0 else Outcome()
+        generation, data = broadcast_from_root(coord, found, f"opening {location.display}")
+        manifest = Manifest.from_json(data, path=location.display)
+
+    result = LoadResult(location.display, generation, manifest.world_size, manifest.framework, stats=stats)
+    adapter = adapter_for(state, framework) if any(k in state for k in RESHARDED) else None
+    reader = ShardReader(location, generation, manifest, verify=verify)
+    read = Outcome.of(lambda: _read(state, adapter, manifest, reader, result, coord.rank, strict,
+                                    allow_pickle, io_threads))
+    stats.bytes = reader.bytes_read
+    all_agree(coord, Outcome(error=read.error), f"loading {location.display}")
+    with stats.phase("apply"):
+        applied = Outcome.of(lambda: apply(state, adapter, read.value))
+        all_agree(coord, applied, f"restoring the state loaded from {location.display}")
+    return result
+
+
+def _read_manifest(location: Location) -> list[Any]:
+    generation = location.latest_committed()
+    data, _ = location.read_manifest(generation)
+    return [generation, data]
+
+
+def _read(state: dict[str, Any], adapter: Any, manifest: Manifest, reader: ShardReader, result: LoadResult,
+          rank: int, strict: bool, allow_pickle: bool, io_threads: int) -> dict[str, Any]:
+    stats = result.stats
+    with stats.phase("plan"):
+        wanted = collect(state, adapter, for_load=True)
+        _match_names(wanted, manifest, strict, result)
+        pieces, objects = [], []
+        for name in result.loaded:
+            if name in manifest.tensors and is_tensor_value(wanted[name]):
+                pieces.extend(pieces_of(name, wanted[name]))
+            elif name in manifest.objects:
+                objects.append(name)
+            else:
+                raise MismatchError("saved as a tensor but the live value is not one, or the reverse",
+                                    path=result.path, key=name)
+        ops = plan_reads(manifest, pieces, result.path)
+    with stats.phase("read"):
+        reader.run(ops, io_threads)
+        loaded = {name: wanted[name] for name in result.loaded if name in manifest.tensors}
+        for name in objects:
+            entry = manifest.objects[name]
+            source = rank if rank < manifest.world_size and entry.ranks[rank] >= 0 else 0
+            if source != rank and name.split("/", 1)[0] not in RESHARDED:
+                result.from_rank0.append(name)
+            loaded[name] = reader.read_object(entry, source, allow_pickle=allow_pickle)
+    return loaded
+
+
+def _match_names(wanted: dict[str, Any], manifest: Manifest, strict: bool, result: LoadResult) -> None:
+    components = {name.split("/", 1)[0] for name in wanted}
+    saved = {n for n in [*manifest.tensors, *manifest.objects] if n.split("/", 1)[0] in components}
+    missing = sorted(set(wanted) - saved)
+    unexpected = sorted(saved - set(wanted))
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {_listing(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the live state: {_listing(unexpected)}")
+        raise MismatchError("strict load: " + "; ".join(parts) + " (pass strict=False to load the overlap)",
+                            path=result.path)
+    result.missing, result.unexpected = missing, unexpected
+    result.loaded = [name for name in wanted if name in saved]
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_LISTED])
+    return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")

@@ -1,0 +1,58 @@
+"""What ``save`` and ``load`` return: a handle on the save, a report of the load, and their stats."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+
+@dataclass
+class PhaseStats:
+    """Seconds per phase and bytes moved on this rank (phases: plan, stage, write, commit; metadata,
+    read, apply)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes: int = 0
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+class SaveHandle:
+    """A save in progress or done. ``wait()`` returns once the checkpoint is committed."""
+
+    def __init__(self, path: str, generation: int, stats: PhaseStats) -> None:
+        self.path = path
+        self.generation = generation
+        self.stats = stats
+
+    def wait(self) -> None:
+        """Block until committed; a synchronous save is committed when ``save`` returns."""
+
+    def done(self) -> bool:
+        return True
+
+
+@dataclass
+class LoadResult:
+    """What a ``load`` did on this rank."""
+
+    path: str
+    generation: int
+    saved_world_size: int
+    saved_framework: str
+    loaded: list[str] = field(default_factory=list)
+    #: Under ``strict=False``: names asked for but absent from the checkpoint.
+    missing: list[str] = field(default_factory=list)
+    #: Under ``strict=False``: names saved in a requested component but not asked for.
+    unexpected: list[str] = field(default_factory=list)
+    #: Per-rank entries this rank took from rank 0 because it is beyond the saved world size.
+    from_rank0: list[str] = field(default_factory=list)
+    stats: PhaseStats = field(default_factory=PhaseStats)

@@ -1,0 +1,103 @@
+"""Error consensus: every exchange carries each rank's success or failure, so a failure anywhere
+is raised on every rank at the next exchange, with every failing rank's message, and no rank is
+left waiting in a collective that the failed rank will never join."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import msgpack
+
+from bcp import errors
+from bcp.coord.base import Coordinator
+
+
+def pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+
+
+class Outcome:
+    """One rank's result of a phase: a plain-data value, or the exception it raised."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.value = value
+        self.error = error
+
+    @staticmethod
+    def of(work: Callable[[], Any]) -> "Outcome":
+        try:
+            return Outcome(work())
+        except Exception as exc:
+            return Outcome(error=exc)
+
+    def packed(self, rank: int) -> bytes:
+        if self.error is None:
+            return pack([True, self.value])
+        return pack([False, [_describe(rank, self.error)]])
+
+
+def all_agree(coord: Coordinator, local: Outcome, what: str) -> list[Any]:
+    """Every rank's value; if any rank failed, every rank raises the same report."""
+    messages = [unpack(m) for m in coord.all_gather_bytes(local.packed(coord.rank))]
+    failures = [f for ok, body in messages if not ok for f in body]
+    if failures:
+        raise _error(coord, failures, local.error, what)
+    return [body for _, body in messages]
+
+
+def gather_then_reply(coord: Coordinator, local: Outcome,
+                      produce: Callable[[list[Any]], list[Any]], what: str) -> Any:
+    """Rank 0 gathers every rank's value and ``produce`` turns them into one reply per rank; each
+    rank returns its reply. A failure on any rank, or in ``produce``, is raised on every rank."""
+    gathered = coord.gather_bytes(local.packed(coord.rank))
+    own_error = local.error
+    parts = None
+    if gathered is not None:
+        messages = [unpack(m) for m in gathered]
+        failures = [f for ok, body in messages if not ok for f in body]
+        if not failures:
+            try:
+                parts = [pack([True, reply]) for reply in produce([body for _, body in messages])]
+            except Exception as exc:
+                own_error = exc
+                failures = [_describe(coord.rank, exc)]
+        if failures:
+            parts = [pack([False, failures])] * coord.world_size
+    ok, body = unpack(coord.scatter_bytes(parts))
+    if not ok:
+        raise _error(coord, body, own_error, what)
+    return body
+
+
+def broadcast_from_root(coord: Coordinator, local: Outcome, what: str) -> Any:
+    """Rank 0's value on every rank (``local`` matters on rank 0 only); its failure raises everywhere."""
+    ok, body = unpack(coord.broadcast_bytes(local.packed(0) if coord.rank == 0 else None))
+    if not ok:
+        raise _error(coord, body, local.error if coord.rank == 0 else None, what)
+    return body
+
+
+def _describe(rank: int, exc: BaseException) -> list[Any]:
+    return [rank, type(exc).__name__, str(exc)]
+
+
+def _error(coord: Coordinator, failures: list[list[Any]], own: BaseException | None, what: str) -> Exception:
+    """This rank's own exception when it is the only failure; otherwise one error listing all
+    failing ranks, of the failures' common bcp error class when they share one."""
+    if own is not None and all(rank == coord.rank for rank, _, _ in failures):
+        return own if isinstance(own, Exception) else errors.DistributedError(str(own))
+    names = {name for _, name, _ in failures}
+    cls = getattr(errors, names.pop(), None) if len(names) == 1 else None
+    if not (isinstance(cls, type) and issubclass(cls, errors.CheckpointError)):
+        cls = errors.DistributedError
+    detail = "; ".join(f"rank {rank}: {name}: {message}" for rank, name, message in failures)
+    error = cls(f"{what} failed on {len(failures)} of {coord.world_size} rank(s): {detail}")
+    if own is not None:
+        error.__cause__ = own
+    return error

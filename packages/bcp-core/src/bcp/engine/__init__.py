@@ -1,0 +1,1 @@
+"""The execution engine: stage, checksum, write and commit; read, verify and place."""

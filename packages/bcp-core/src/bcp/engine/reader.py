@@ -1,0 +1,100 @@
+"""Reading: byte ranges of saved shards straight into destination memory where the layouts allow
+it, through a scratch buffer where they do not, verifying the checksum of every chunk read."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from bcp.engine.bytes_of import byte_view
+from bcp.engine.checksum import crc_of
+from bcp.engine.location import Location
+from bcp.errors import CorruptCheckpointError
+from bcp.layout.box import contiguous_span, is_contiguous_in, row_major_strides
+from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry
+from bcp.layout.values import decode_value
+from bcp.planning.load_plan import ReadOp
+
+
+class ShardReader:
+    """Reads from one committed generation of a checkpoint."""
+
+    def __init__(self, location: Location, generation: int, manifest: Manifest, *, verify: bool = True) -> None:
+        self.location = location
+        self.generation = generation
+        self.manifest = manifest
+        self.verify = verify
+        self.display = f"{location.display}/gen-{generation:08d}"
+        self.bytes_read = 0
+
+    def run(self, ops: list[ReadOp], threads: int) -> None:
+        if not ops:
+            return
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(ops))), thread_name_prefix="bcp-read") as pool:
+            for future in [pool.submit(self.execute, op) for op in ops]:
+                future.result()
+
+    def execute(self, op: ReadOp) -> None:
+        shard, piece = op.shard, op.piece
+        itemsize = piece.tensor.element_size()
+        inner = op.region.relative_to(shard.box)
+        first, end = contiguous_span(inner, shard.box.lengths)
+        start_byte, end_byte = self._span(shard.bytes, first * itemsize, end * itemsize)
+        dest = piece.tensor[op.region.relative_to(piece.box).slices()]
+        direct = (
+            op.region == piece.box and piece.tensor.device.type == "cpu" and piece.tensor.is_contiguous()
+            and is_contiguous_in(inner, shard.box.lengths)
+            and (start_byte, end_byte) == (first * itemsize, end * itemsize)
+        )
+        if direct:
+            self.read_range(shard.bytes, start_byte, byte_view(piece.tensor), piece.name)
+            return
+        scratch = torch.empty(end_byte - start_byte, dtype=torch.uint8)
+        self.read_range(shard.bytes, start_byte, byte_view(scratch), piece.name)
+        values = scratch.view(piece.tensor.dtype)
+        at = first - start_byte // itemsize
+        source = values.as_strided(inner.lengths, row_major_strides(shard.box.lengths), at)
+        dest.copy_(source)
+
+    def _span(self, where: ByteRange, start: int, end: int) -> tuple[int, int]:
+        """The bytes to read for ``[start, end)`` of a stored range: widened to whole checksum
+        chunks when verifying, since a chunk's crc covers all of it."""
+        if not self.verify:
+            return start, end
+        chunk = self.manifest.checksum_chunk
+        return start - start % chunk, min(where.nbytes, -(-end // chunk) * chunk)
+
+    def read_range(self, where: ByteRange, start: int, dest: memoryview, key: str) -> None:
+        """Read ``dest.nbytes`` bytes from ``start`` of a stored range (chunk-aligned when verifying)."""
+        file = self.manifest.files[where.file]
+        if start + dest.nbytes > where.nbytes:
+            raise CorruptCheckpointError(f"read beyond the stored range in {file}", path=self.display, key=key)
+        try:
+            self.location.storage.read_into(self.location.name(self.generation, file), where.offset + start, dest)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"data file {file} is missing", path=self.display, key=key) from None
+        except EOFError:
+            raise CorruptCheckpointError(f"data file {file} is truncated", path=self.display, key=key) from None
+        self.bytes_read += dest.nbytes
+        if self.verify:
+            self._check(where, start, dest, file, key)
+
+    def _check(self, where: ByteRange, start: int, data: memoryview, file: str, key: str) -> None:
+        chunk = self.manifest.checksum_chunk
+        first = start // chunk
+        for i in range(0, data.nbytes, chunk):
+            index = first + i // chunk
+            if index >= len(where.crcs) or crc_of(data[i: i + chunk]) != where.crcs[index]:
+                at = where.offset + start + i
+                raise CorruptCheckpointError(
+                    f"checksum mismatch in {file} at bytes [{at}, {at + min(chunk, data.nbytes - i)})",
+                    path=self.display, key=key)
+
+    def read_object(self, entry: ObjectEntry, rank: int, *, allow_pickle: bool) -> Any:
+        where, tree_nbytes = entry.records[entry.ranks[rank]]
+        buffer = bytearray(where.nbytes)
+        self.read_range(where, 0, memoryview(buffer), entry.name)
+        return decode_value(memoryview(buffer), tree_nbytes, key=entry.name, path=self.display,
+                            allow_pickle=allow_pickle)

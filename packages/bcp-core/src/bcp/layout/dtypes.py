@@ -1,0 +1,27 @@
+"""Names of tensor dtypes as they appear in the manifest (``"float32"``, ``"bfloat16"``, ...)."""
+
+from __future__ import annotations
+
+import torch
+
+_BY_NAME: dict[str, torch.dtype] = {
+    name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)
+}
+# Canonical names: the one ``str(dtype)`` prints, so aliases (``float``, ``half``) never reach a file.
+_NAME_OF: dict[torch.dtype, str] = {value: str(value).removeprefix("torch.") for value in _BY_NAME.values()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _NAME_OF[dtype]
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype for a manifest name; ``KeyError`` for anything that is not a dtype of torch."""
+    dtype = _BY_NAME.get(name)
+    if dtype is None or _NAME_OF[dtype] != name:
+        raise KeyError(name)
+    return dtype
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

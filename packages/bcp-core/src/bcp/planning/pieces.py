@@ -1,0 +1,89 @@
+"""Turning state-dict values into pieces: (tensor name, dtype, global shape, box, local view).
+
+A piece's tensor has exactly the box's shape and aliases the live memory, so saving reads from it
+and loading writes into it without another copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from bcp.errors import UnsupportedValueError
+from bcp.layout.box import Box, flat_range_to_boxes
+from bcp.layout.shards import FlatShard, TensorShard
+
+
+@dataclass(slots=True)
+class Piece:
+    name: str
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    box: Box
+    tensor: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * self.tensor.element_size()
+
+
+def is_tensor_value(value: Any) -> bool:
+    if isinstance(value, (list, tuple)) and value:
+        return all(isinstance(v, (TensorShard, FlatShard)) for v in value)
+    return isinstance(value, (torch.Tensor, TensorShard, FlatShard))
+
+
+def pieces_of(name: str, value: Any) -> list[Piece]:
+    """The pieces this rank holds of tensor ``name`` (an empty local shard gives no piece)."""
+    if isinstance(value, (list, tuple)):
+        return [p for v in value for p in pieces_of(name, v)]
+    if isinstance(value, TensorShard):
+        box = Box(tuple(value.offsets), tuple(value.tensor.shape))
+        return _checked(name, value.tensor, tuple(value.global_shape), box)
+    if isinstance(value, FlatShard):
+        flat = value.tensor
+        return [
+            p
+            for box, at in flat_range_to_boxes(value.global_shape, value.flat_offset, flat.numel())
+            for p in _checked(name, flat[at: at + box.numel].view(box.lengths), tuple(value.global_shape), box)
+        ]
+    if _is_dtensor(value):
+        return _dtensor_pieces(name, value)
+    if isinstance(value, torch.Tensor):
+        return _checked(name, value.detach(), tuple(value.shape), Box.whole(value.shape))
+    raise UnsupportedValueError(f"not a tensor value: {type(value).__name__}", key=name)
+
+
+def _checked(name: str, tensor: torch.Tensor, global_shape: tuple[int, ...], box: Box) -> list[Piece]:
+    if not box.within(global_shape):
+        raise UnsupportedValueError(f"local piece {box} lies outside the global shape {global_shape}", key=name)
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise UnsupportedValueError("sparse and non-strided tensors are not supported", key=name)
+    if box.numel == 0:
+        return []
+    return [Piece(name, tensor.dtype, tuple(int(s) for s in global_shape), box, tensor)]
+
+
+def _is_dtensor(value: Any) -> bool:
+    return hasattr(value, "device_mesh") and hasattr(value, "placements") and isinstance(value, torch.Tensor)
+
+
+def _dtensor_pieces(name: str, value: Any) -> list[Piece]:
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(isinstance(p, Partial) for p in value.placements):
+        raise UnsupportedValueError(
+            f"DTensor with a Partial placement {value.placements}: reduce it (redistribute to "
+            "Replicate or Shard) before saving", key=name)
+    local = value.to_local().detach()
+    if value.device_mesh.get_coordinate() is None:  # this rank is outside the DTensor's mesh
+        return []
+    shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    if tuple(shape) != tuple(local.shape):
+        raise UnsupportedValueError(
+            f"DTensor local shape {tuple(local.shape)} does not match its placements {value.placements} "
+            f"(expected {tuple(shape)})", key=name)
+    return _checked(name, local, tuple(value.shape), Box(tuple(offsets), tuple(shape)))

@@ -1,0 +1,26 @@
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest  # noqa: E402
+
+from pool import RankPool  # noqa: E402
+
+_pools: dict[int, RankPool] = {}
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """``ranks(n)``: the session's pool of ``n`` gloo ranks (created on first use)."""
+
+    def get(n: int) -> RankPool:
+        if n not in _pools:
+            _pools[n] = RankPool(n)
+        return _pools[n]
+
+    yield get
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()

@@ -1,0 +1,104 @@
+"""A persistent pool of gloo ranks for multi-process tests.
+
+Spawning ranks and importing torch costs seconds, so one pool per world size lives for the whole
+session and runs many cases: ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank and returns
+the per-rank results. ``fn`` must be a module-level function. A case that fails raises here with
+every failing rank's traceback; a case that hangs is cut off after ``CASE_TIMEOUT_S`` and the pool
+is rebuilt, so a deadlock costs seconds, not the CI limit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+PG_TIMEOUT_S = 30
+CASE_TIMEOUT_S = 180
+
+
+class CaseFailed(AssertionError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    outbox.put(("ready", rank, None))
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            outbox.put(("ok", rank, fn(*args)))
+        except BaseException:  # report everything, including assertion failures, to the test
+            outbox.put(("error", rank, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(self.world_size)]
+        self.procs = [ctx.Process(target=_worker, args=(r, self.world_size, port, self.inboxes[r], self.outbox),
+                                  daemon=True) for r in range(self.world_size)]
+        for p in self.procs:
+            p.start()
+        for _ in range(self.world_size):
+            kind, rank, _ = self.outbox.get(timeout=120)
+            assert kind == "ready", (kind, rank)
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        for inbox in self.inboxes:
+            inbox.put((fn, args))
+        results: list[Any] = [None] * self.world_size
+        errors: dict[int, str] = {}
+        for _ in range(self.world_size):
+            try:
+                kind, rank, value = self.outbox.get(timeout=CASE_TIMEOUT_S)
+            except Exception:
+                self.restart()
+                raise CaseFailed(f"{fn.__name__} did not finish on every rank within {CASE_TIMEOUT_S}s "
+                                 f"(finished: {sorted(set(range(self.world_size)) - set(errors))}); pool restarted")
+            if kind == "ok":
+                results[rank] = value
+            else:
+                errors[rank] = value
+        if errors:
+            raise CaseFailed("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+        return results
+
+    def restart(self) -> None:
+        self.close()
+        self._start()
+
+    def close(self) -> None:
+        for inbox, proc in zip(self.inboxes, self.procs):
+            if proc.is_alive():
+                inbox.put(None)
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
