@@ -11,6 +11,12 @@ from pool import RankPool  # noqa: E402
 _pools: dict[int, RankPool] = {}
 
 
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "ranks" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.distributed)
+
+
 @pytest.fixture(scope="session")
 def ranks():
     """``ranks(n)``: the session's pool of ``n`` gloo ranks (created on first use)."""

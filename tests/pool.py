@@ -16,8 +16,8 @@ import socket
 import traceback
 from typing import Any, Callable
 
-PG_TIMEOUT_S = 30
-CASE_TIMEOUT_S = 180
+PG_TIMEOUT_S = 60
+CASE_TIMEOUT_S = 300
 
 
 class CaseFailed(AssertionError):

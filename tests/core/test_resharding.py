@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import bcp
 from models import assert_bitwise, build, full_state, rank, train

@@ -1,0 +1,23 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv on first use.
+PY := .venv/bin/python
+
+.PHONY: setup demo test test-quick bench clean
+
+setup:
+	@scripts/bootstrap.sh
+
+demo: setup
+	$(PY) examples/demo.py
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+# Single-process tests only: the fast loop while developing.
+test-quick: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not distributed" tests
+
+bench: setup
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf .venv
