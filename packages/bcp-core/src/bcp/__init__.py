@@ -16,6 +16,7 @@ from bcp.errors import (
     DistributedError,
     FormatVersionError,
     MismatchError,
+    StorageError,
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
@@ -30,7 +31,7 @@ __all__ = [
     "Storage", "LocalStorage",
     "Box", "TensorShard", "FlatShard",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointNotCommittedError", "CorruptCheckpointError",
-    "FormatVersionError", "MismatchError", "UnsupportedValueError", "UnsafeCheckpointError",
+    "FormatVersionError", "MismatchError", "StorageError", "UnsupportedValueError", "UnsafeCheckpointError",
     "AdapterError", "DistributedError",
     "__version__",
 ]

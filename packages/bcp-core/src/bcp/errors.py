@@ -34,6 +34,10 @@ class CorruptCheckpointError(CheckpointError):
     """Bytes on storage do not match their checksum, or a file is truncated or unreadable."""
 
 
+class StorageError(CheckpointError):
+    """The storage backend failed to write, read, list or delete (disk full, permission, network)."""
+
+
 class MismatchError(CheckpointError):
     """The live state and the checkpoint disagree: shape, dtype, keys or structure."""
 

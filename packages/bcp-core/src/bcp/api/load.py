@@ -16,8 +16,8 @@ from bcp.engine.location import Location
 from bcp.engine.reader import ShardReader
 from bcp.errors import MismatchError
 from bcp.layout.manifest import Manifest
-from bcp.planning.load_plan import plan_reads
-from bcp.planning.pieces import is_tensor_value, pieces_of
+from bcp.planning.load_plan import check_meta, plan_reads
+from bcp.planning.pieces import is_tensor_value, pieces_of, tensor_meta
 from bcp.storage import Storage
 
 _LISTED = 20  # names shown in a strict-mode error before "and N more"
@@ -79,6 +79,7 @@ def _read(state: dict[str, Any], adapter: Any, manifest: Manifest, reader: Shard
         pieces, objects = [], []
         for name in result.loaded:
             if name in manifest.tensors and is_tensor_value(wanted[name]):
+                check_meta(manifest, name, *tensor_meta(name, wanted[name]), result.path)
                 pieces.extend(pieces_of(name, wanted[name]))
             elif name in manifest.objects:
                 objects.append(name)

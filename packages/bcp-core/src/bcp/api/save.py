@@ -20,7 +20,7 @@ from bcp.engine.writer import write_rank
 from bcp.errors import CheckpointError
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK
 from bcp.layout.values import EncodedValue, encode_value
-from bcp.planning.pieces import Piece, is_tensor_value, pieces_of
+from bcp.planning.pieces import Piece, is_tensor_value, pieces_of, tensor_meta
 from bcp.planning.save_plan import LocalObject, global_plan, local_plan
 from bcp.storage import Storage
 
@@ -80,7 +80,7 @@ def save(
             manifest = build_manifest(
                 generation=generation, framework=adapter.name if adapter else "none",
                 checksum_chunk=DEFAULT_CHECKSUM_CHUNK,
-                unsafe_pickle=any(plan[2] for plan in kept["plans"]),
+                unsafe_pickle=any(plan[3] for plan in kept["plans"]),
                 writer=f"bcp {__version__}", local_plans=kept["plans"], writes=writes,
                 object_owners=kept["owners"])
             location.commit(generation, manifest.to_json())
@@ -93,13 +93,15 @@ def save(
 
 def _prepare(state: Mapping[str, Any], adapter: Any, allow_pickle: bool,
              verify_replicas: bool) -> tuple[list[Piece], list[tuple[str, EncodedValue]], list[Any]]:
+    tensors: list[tuple[str, Any, tuple[int, ...]]] = []
     pieces: list[Piece] = []
     objects: list[tuple[str, EncodedValue]] = []
     for name, value in collect(state, adapter, for_load=False).items():
         if name.split("/", 1)[0] in RESHARDED and is_tensor_value(value):
+            tensors.append((name, *tensor_meta(name, value)))
             pieces.extend(pieces_of(name, value))
         else:
             objects.append((name, encode_value(value, key=name, allow_pickle=allow_pickle)))
     described = [LocalObject(n, crc_of(memoryview(b"".join(v.chunks()))), v.nbytes) for n, v in objects]
     crcs = [crc_of(byte_view(host_contiguous(p.tensor))) for p in pieces] if verify_replicas else None
-    return pieces, objects, local_plan(pieces, described, crcs, any(v.used_pickle for _, v in objects))
+    return pieces, objects, local_plan(tensors, pieces, described, crcs, any(v.used_pickle for _, v in objects))

@@ -91,7 +91,11 @@ def _error(coord: Coordinator, failures: list[list[Any]], own: BaseException | N
     """This rank's own exception when it is the only failure; otherwise one error listing all
     failing ranks, of the failures' common bcp error class when they share one."""
     if own is not None and all(rank == coord.rank for rank, _, _ in failures):
-        return own if isinstance(own, Exception) else errors.DistributedError(str(own))
+        if isinstance(own, errors.CheckpointError):
+            return own
+        wrapped = errors.CheckpointError(f"{what} failed: {type(own).__name__}: {own}")
+        wrapped.__cause__ = own
+        return wrapped
     names = {name for _, name, _ in failures}
     cls = getattr(errors, names.pop(), None) if len(names) == 1 else None
     if not (isinstance(cls, type) and issubclass(cls, errors.CheckpointError)):

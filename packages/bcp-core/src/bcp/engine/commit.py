@@ -22,14 +22,15 @@ def build_manifest(*, generation: int, framework: str, checksum_chunk: int, unsa
 
     tensors: dict[str, TensorEntry] = {}
     for plan in local_plans:
-        for name, dtype, shape, *_ in plan[0]:
+        for name, dtype, shape in plan[0]:
             if name not in tensors:
                 tensors[name] = TensorEntry(name, dtype, tuple(shape))
     records: dict[tuple[str, int], tuple[ByteRange, int]] = {}
     for rank, (_, piece_writes, object_writes) in enumerate(writes):
-        rows = local_plans[rank][0]
+        declared, rows = local_plans[rank][0], local_plans[rank][1]
         for index, file, offset, nbytes, crcs in piece_writes:
-            name, _, _, offsets, lengths = rows[index][:5]
+            tensor, offsets, lengths = rows[index][:3]
+            name = declared[tensor][0]
             where = ByteRange(file_base[rank] + file, offset, nbytes, tuple(crcs))
             tensors[name].shards.append(ShardEntry(Box(tuple(offsets), tuple(lengths)), where))
         for name, file, offset, nbytes, tree, crcs in object_writes:

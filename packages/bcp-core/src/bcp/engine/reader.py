@@ -11,7 +11,7 @@ import torch
 from bcp.engine.bytes_of import byte_view
 from bcp.engine.checksum import crc_of
 from bcp.engine.location import Location
-from bcp.errors import CorruptCheckpointError
+from bcp.errors import CorruptCheckpointError, StorageError
 from bcp.layout.box import contiguous_span, is_contiguous_in, row_major_strides
 from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry
 from bcp.layout.values import decode_value
@@ -77,6 +77,8 @@ class ShardReader:
             raise CorruptCheckpointError(f"data file {file} is missing", path=self.display, key=key) from None
         except EOFError:
             raise CorruptCheckpointError(f"data file {file} is truncated", path=self.display, key=key) from None
+        except OSError as exc:
+            raise StorageError(f"reading {file} failed: {exc}", path=self.display, key=key) from exc
         self.bytes_read += dest.nbytes
         if self.verify:
             self._check(where, start, dest, file, key)

@@ -10,6 +10,7 @@ from typing import Iterator
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import chunk_crcs
 from bcp.engine.location import Location, data_file_name
+from bcp.errors import StorageError
 from bcp.layout.values import EncodedValue
 from bcp.planning.pieces import Piece
 
@@ -86,5 +87,8 @@ def _write_file(location: Location, generation: int, name: str, file_index: int,
                 yield record
                 offset += record.nbytes
 
-    location.storage.write_file(location.name(generation, name), stream())
+    try:
+        location.storage.write_file(location.name(generation, name), stream())
+    except OSError as exc:
+        raise StorageError(f"writing {name} failed: {exc}", path=location.display) from exc
     return pieces, objects

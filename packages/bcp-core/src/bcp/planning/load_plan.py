@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from bcp.errors import CorruptCheckpointError, MismatchError
 from bcp.layout.box import Box
 from bcp.layout.dtypes import dtype_name
@@ -21,18 +23,21 @@ class ReadOp:
     region: Box
 
 
+def check_meta(manifest: Manifest, name: str, dtype: torch.dtype, shape: tuple[int, ...], path: str) -> None:
+    """The live tensor must have the saved dtype and global shape (whether or not it has pieces here)."""
+    entry = manifest.tensors[name]
+    if entry.dtype != dtype_name(dtype):
+        raise MismatchError(f"dtype mismatch: checkpoint has {entry.dtype}, the live tensor is {dtype_name(dtype)}",
+                            path=path, key=name)
+    if entry.shape != tuple(shape):
+        raise MismatchError(f"global shape mismatch: checkpoint has {list(entry.shape)}, the live tensor is "
+                            f"{list(shape)}", path=path, key=name)
+
+
 def plan_reads(manifest: Manifest, pieces: list[Piece], path: str) -> list[ReadOp]:
     ops: list[ReadOp] = []
     for piece in pieces:
         entry = manifest.tensors[piece.name]
-        if entry.dtype != dtype_name(piece.dtype):
-            raise MismatchError(
-                f"dtype mismatch: checkpoint has {entry.dtype}, the live tensor is {dtype_name(piece.dtype)}",
-                path=path, key=piece.name)
-        if entry.shape != piece.global_shape:
-            raise MismatchError(
-                f"global shape mismatch: checkpoint has {list(entry.shape)}, the live tensor is "
-                f"{list(piece.global_shape)}", path=path, key=piece.name)
         covered = 0
         for shard in entry.shards:
             region = shard.box.intersect(piece.box)

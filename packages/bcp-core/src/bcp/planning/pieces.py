@@ -35,6 +35,20 @@ def is_tensor_value(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, TensorShard, FlatShard))
 
 
+def tensor_meta(name: str, value: Any) -> tuple[torch.dtype, tuple[int, ...]]:
+    """dtype and global shape of a tensor value, known even where this rank holds no piece of it."""
+    first = value[0] if isinstance(value, (list, tuple)) else value
+    if isinstance(first, (TensorShard, FlatShard)):
+        shapes = {tuple(v.global_shape) for v in (value if isinstance(value, (list, tuple)) else [value])}
+        dtypes = {v.tensor.dtype for v in (value if isinstance(value, (list, tuple)) else [value])}
+        if len(shapes) != 1 or len(dtypes) != 1:
+            raise UnsupportedValueError(f"pieces disagree on global shape {shapes} or dtype {dtypes}", key=name)
+        return dtypes.pop(), shapes.pop()
+    if isinstance(first, torch.Tensor):
+        return first.dtype, tuple(int(s) for s in first.shape)
+    raise UnsupportedValueError(f"not a tensor value: {type(value).__name__}", key=name)
+
+
 def pieces_of(name: str, value: Any) -> list[Piece]:
     """The pieces this rank holds of tensor ``name`` (an empty local shard gives no piece)."""
     if isinstance(value, (list, tuple)):

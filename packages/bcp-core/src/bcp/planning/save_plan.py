@@ -32,17 +32,22 @@ class LocalObject:
     nbytes: int
 
 
-def local_plan(pieces: list[Piece], objects: list[LocalObject], replica_crcs: list[int] | None,
-               used_pickle: bool) -> list[Any]:
-    """This rank's plan as plain data: ``[piece rows, object rows, used_pickle]`` (piece rows
-    optionally end with a crc of the piece's bytes, for the replica check)."""
+def local_plan(tensors: list[tuple[str, Any, tuple[int, ...]]], pieces: list[Piece],
+               objects: list[LocalObject], replica_crcs: list[int] | None, used_pickle: bool) -> list[Any]:
+    """This rank's plan as plain data: ``[tensor rows, piece rows, object rows, used_pickle]``.
+
+    Tensor rows ``[name, dtype, global shape]`` declare every tensor this rank has, pieces or not
+    (an empty shard still names its tensor); piece rows ``[tensor row, offsets, lengths(, crc)]``
+    refer to them, the crc of the piece's bytes only for the replica check."""
+    index = {name: i for i, (name, _, _) in enumerate(tensors)}
     rows = []
     for i, p in enumerate(pieces):
-        row = [p.name, dtype_name(p.dtype), list(p.global_shape), list(p.box.offsets), list(p.box.lengths)]
+        row = [index[p.name], list(p.box.offsets), list(p.box.lengths)]
         if replica_crcs is not None:
             row.append(replica_crcs[i])
         rows.append(row)
-    return [rows, [[o.name, o.crc, o.nbytes] for o in objects], used_pickle]
+    return [[[n, dtype_name(d), list(s)] for n, d, s in tensors], rows,
+            [[o.name, o.crc, o.nbytes] for o in objects], used_pickle]
 
 
 def global_plan(local_plans: list[list[Any]]) -> tuple[list[list[Any]], dict[str, dict[int, int]]]:
@@ -51,18 +56,18 @@ def global_plan(local_plans: list[list[Any]]) -> tuple[list[list[Any]], dict[str
     tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
     replicas: dict[tuple[str, tuple, tuple], list[tuple[int, int]]] = defaultdict(list)
     crcs: dict[tuple[str, tuple, tuple], dict[int, int]] = defaultdict(dict)
-    for rank, plan in enumerate(local_plans):
-        for index, row in enumerate(plan[0]):
-            name, dtype, shape, offsets, lengths = row[0], row[1], tuple(row[2]), tuple(row[3]), tuple(row[4])
-            seen = tensors.setdefault(name, (dtype, shape, rank))
-            if seen[:2] != (dtype, shape):
+    for rank, (declared, rows, _, _) in enumerate(local_plans):
+        for name, dtype, shape in declared:
+            seen = tensors.setdefault(name, (dtype, tuple(shape), rank))
+            if seen[:2] != (dtype, tuple(shape)):
                 raise MismatchError(
                     f"ranks disagree on the tensor: rank {seen[2]} has {seen[0]} {list(seen[1])}, "
                     f"rank {rank} has {dtype} {list(shape)}", key=name)
-            key = (name, offsets, lengths)
+        for index, row in enumerate(rows):
+            key = (declared[row[0]][0], tuple(row[1]), tuple(row[2]))
             replicas[key].append((rank, index))
-            if len(row) > 5:
-                crcs[key][rank] = row[5]
+            if len(row) > 3:
+                crcs[key][rank] = row[3]
 
     _check_replicas_agree(crcs)
     _check_coverage(tensors, replicas)
@@ -93,7 +98,7 @@ def _object_owners(local_plans: list[list[Any]], load: list[int]) -> dict[str, d
     bytes are identical (same crc and size) share one record, written by the least loaded of them."""
     groups: dict[str, dict[tuple[int, int], list[int]]] = defaultdict(lambda: defaultdict(list))
     for rank, plan in enumerate(local_plans):
-        for name, crc, nbytes in plan[1]:
+        for name, crc, nbytes in plan[2]:
             groups[name][(crc, nbytes)].append(rank)
     owners: dict[str, dict[int, int]] = {}
     for name, variants in groups.items():

@@ -1,0 +1,120 @@
+"""``bcp inspect``: what a checkpoint holds, from its manifest alone (no data is read)."""
+
+from __future__ import annotations
+
+import datetime
+import math
+from fnmatch import fnmatchcase
+from typing import Any, Sequence
+
+from bcp.layout.dtypes import dtype_from_name, itemsize
+from bcp.layout.manifest import TensorEntry
+from bcp.tools.checkpoint import Checkpoint
+from bcp.tools.units import human_bytes
+
+
+def summarize(checkpoint: Checkpoint, *, filters: Sequence[str] = ()) -> dict[str, Any]:
+    """A plain-data description: generation and commit state, format, sizes, components, and one
+    row per tensor and per value (only those matching a ``filters`` glob, when given)."""
+    manifest = checkpoint.manifest
+
+    def wanted(name: str) -> bool:
+        return not filters or any(fnmatchcase(name, glob) for glob in filters)
+
+    components: dict[str, dict[str, int]] = {}
+    for name in manifest.tensors:
+        components.setdefault(name.split("/", 1)[0], {"tensors": 0, "values": 0})["tensors"] += 1
+    for name in manifest.objects:
+        components.setdefault(name.split("/", 1)[0], {"tensors": 0, "values": 0})["values"] += 1
+    stored = {(s.bytes.file, s.bytes.offset, s.bytes.nbytes) for e in manifest.tensors.values() for s in e.shards}
+    return {
+        "path": checkpoint.path,
+        "generation": checkpoint.generation,
+        "generations": [{"generation": g, "committed": c} for g, c in checkpoint.generations()],
+        "format_version": manifest.version,
+        "writer": manifest.writer,
+        "created": _timestamp(manifest.created_unix),
+        "framework": manifest.framework,
+        "world_size": manifest.world_size,
+        "unsafe_pickle": manifest.unsafe_pickle,
+        "files": len(manifest.files),
+        "tensor_bytes": sum(nbytes for _, _, nbytes in stored),
+        "value_bytes": sum(r.nbytes for e in manifest.objects.values() for r, _ in e.records),
+        "components": components,
+        "tensors": [_tensor_row(e) for name, e in manifest.tensors.items() if wanted(name)],
+        "values": [
+            {"name": name, "records": len(e.records), "saved_by_ranks": sum(1 for r in e.ranks if r >= 0),
+             "nbytes": sum(r.nbytes for r, _ in e.records)}
+            for name, e in manifest.objects.items() if wanted(name)
+        ],
+    }
+
+
+def layout_of(entry: TensorEntry) -> str:
+    """How the tensor was cut when saved: ``whole``, a grid (``dim 0 / 2``), or irregular boxes."""
+    boxes = [s.box for s in entry.shards]
+    if not boxes:
+        return "empty"
+    if len(boxes) == 1 and boxes[0].lengths == entry.shape:
+        return "whole"
+    cuts = [sorted({(b.offsets[d], b.lengths[d]) for b in boxes}) for d in range(len(entry.shape))]
+    is_grid = math.prod(len(c) for c in cuts) == len(boxes) and all(
+        _tiles(c, size) for c, size in zip(cuts, entry.shape))
+    if not is_grid:
+        return f"{len(boxes)} irregular boxes"
+    return " x ".join(f"dim {d} / {len(c)}" for d, c in enumerate(cuts) if len(c) > 1)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as text for a terminal."""
+    states = ", ".join(f"{g['generation']} {'committed' if g['committed'] else 'NOT committed'}"
+                       for g in summary["generations"])
+    lines = [
+        f"checkpoint   {summary['path']}",
+        f"generation   {summary['generation']} (all generations: {states})",
+        f"format       bcp v{summary['format_version']}, written by {summary['writer'] or '?'} "
+        f"at {summary['created']}",
+        f"saved from   {summary['framework']}, world size {summary['world_size']}",
+        f"data         {human_bytes(summary['tensor_bytes'])} of tensors, "
+        f"{human_bytes(summary['value_bytes'])} of values, in {summary['files']} file(s)",
+        "components   " + ", ".join(f"{name} ({c['tensors']} tensors, {c['values']} values)"
+                                   for name, c in summary["components"].items()),
+    ]
+    if summary["unsafe_pickle"]:
+        lines.append("warning      holds pickled values: loading them needs allow_pickle=True and can run code")
+    if summary["tensors"]:
+        lines += ["", *_table(["TENSOR", "DTYPE", "SHAPE", "SIZE", "SHARDS", "LAYOUT"], [
+            [t["name"], t["dtype"], str(t["shape"]), human_bytes(t["nbytes"]), str(t["shards"]), t["layout"]]
+            for t in summary["tensors"]])]
+    if summary["values"]:
+        lines += ["", *_table(["VALUE", "RECORDS", "SAVED BY", "SIZE"], [
+            [v["name"], str(v["records"]), f"{v['saved_by_ranks']} rank(s)", human_bytes(v["nbytes"])]
+            for v in summary["values"]])]
+    return "\n".join(lines)
+
+
+def _tensor_row(entry: TensorEntry) -> dict[str, Any]:
+    numel = math.prod(entry.shape)
+    return {"name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape), "numel": numel,
+            "nbytes": numel * itemsize(dtype_from_name(entry.dtype)), "shards": len(entry.shards),
+            "layout": layout_of(entry)}
+
+
+def _tiles(intervals: list[tuple[int, int]], size: int) -> bool:
+    end = 0
+    for offset, length in intervals:
+        if offset != end:
+            return False
+        end += length
+    return end == size
+
+
+def _timestamp(unix: float) -> str:
+    if not unix:
+        return "?"
+    return datetime.datetime.fromtimestamp(unix, tz=datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]

@@ -1,0 +1,157 @@
+"""``bcp verify``: a checkpoint is complete (every data file present and long enough, every tensor
+covered exactly once by its shards) and intact (every stored byte matches its checksum)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+from bcp.errors import CheckpointError, UnsafeCheckpointError
+from bcp.layout.manifest import ByteRange
+from bcp.layout.values import decode_value
+from bcp.storage import Storage
+from bcp.tools.checkpoint import Checkpoint, open_checkpoint
+from bcp.tools.progress import NoProgress, Progress
+
+# Bytes read per request; a multiple of the checksum chunk so every request verifies whole chunks.
+BLOCK_CHUNKS = 4
+# Beyond this many shards of one tensor, overlap is not checked pairwise (coverage by volume still is).
+PAIRWISE_LIMIT = 2048
+
+
+@dataclass
+class Problem:
+    entry: str | None
+    message: str
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    generation: int
+    tensors: int = 0
+    values: int = 0
+    bytes_checked: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def verify_checkpoint(path: "str | os.PathLike | Storage", *, role: str | None = None,
+                      generation: int | None = None, progress: Progress | None = None) -> VerifyReport:
+    """Check the newest committed generation (or ``generation``) and report every problem found;
+    a checkpoint that cannot be opened at all raises."""
+    checkpoint = open_checkpoint(path, role=role, generation=generation, verify=True)
+    report = VerifyReport(checkpoint.path, checkpoint.generation)
+    _Verifier(checkpoint, report, progress or NoProgress()).run()
+    return report
+
+
+class _Verifier:
+    def __init__(self, checkpoint: Checkpoint, report: VerifyReport, progress: Progress) -> None:
+        self.checkpoint = checkpoint
+        self.manifest = checkpoint.manifest
+        self.report = report
+        self.progress = progress
+        self.bad_files: set[int] = set()
+
+    def problem(self, entry: str | None, message: str) -> None:
+        self.report.problems.append(Problem(entry, message))
+
+    def run(self) -> None:
+        self.check_files()
+        self.progress.start("verify", sum(r.nbytes for _, r in self.ranges() if r.file not in self.bad_files))
+        try:
+            for name, entry in self.manifest.tensors.items():
+                self.check_coverage(name, entry)
+                if all(self.check_bytes(name, s.bytes) for s in entry.shards):
+                    self.report.tensors += 1
+            for name, entry in self.manifest.objects.items():
+                if self.check_value(name, entry):
+                    self.report.values += 1
+        finally:
+            self.progress.finish()
+
+    def ranges(self) -> Iterator[tuple[str, ByteRange]]:
+        yield from ((name, s.bytes) for name, e in self.manifest.tensors.items() for s in e.shards)
+        yield from ((name, r) for name, e in self.manifest.objects.items() for r, _ in e.records)
+
+    def check_files(self) -> None:
+        """Each data file exists and reaches the end of every range stored in it (one problem per file)."""
+        needed = [0] * len(self.manifest.files)
+        users: list[set[str]] = [set() for _ in self.manifest.files]
+        for name, r in self.ranges():
+            needed[r.file] = max(needed[r.file], r.offset + r.nbytes)
+            users[r.file].add(name)
+        storage, location = self.checkpoint.location.storage, self.checkpoint.location
+        for index, file in enumerate(self.manifest.files):
+            name = location.name(self.checkpoint.generation, file)
+            affected = f"holds data of {len(users[index])} entries, e.g. {sorted(users[index])[:3]}"
+            if not storage.exists(name):
+                self.problem(None, f"data file {file} is missing ({affected})")
+                self.bad_files.add(index)
+            elif (size := storage.size(name)) < needed[index]:
+                self.problem(None, f"data file {file} is truncated: {size} bytes, needs {needed[index]} ({affected})")
+                self.bad_files.add(index)
+
+    def check_coverage(self, name: str, entry: Any) -> None:
+        boxes = [s.box for s in entry.shards]
+        total, covered = math.prod(entry.shape), sum(b.numel for b in boxes)
+        if covered != total:
+            self.problem(name, f"the shards hold {covered} of the tensor's {total} elements")
+        elif len(boxes) <= PAIRWISE_LIMIT:
+            for i, a in enumerate(boxes):
+                if any(a.intersect(b) is not None for b in boxes[i + 1:]):
+                    self.problem(name, f"shard {a} overlaps another shard")
+                    return
+
+    def check_bytes(self, name: str, where: ByteRange) -> bool:
+        """Read a stored range block by block; the reader checks every chunk's checksum."""
+        if where.file in self.bad_files:
+            return False
+        block = self.manifest.checksum_chunk * BLOCK_CHUNKS
+        buffer = memoryview(bytearray(min(block, where.nbytes)))
+        try:
+            for start in range(0, where.nbytes, block):
+                view = buffer[: min(block, where.nbytes - start)]
+                self.checkpoint.reader.read_range(where, start, view, name)
+                self.advance(view.nbytes)
+        except CheckpointError as exc:
+            self.problem(name, _reason(exc))
+            return False
+        return True
+
+    def check_value(self, name: str, entry: Any) -> bool:
+        """A value's records (small: each was one buffer at save time) must match their checksums and
+        decode, so that its structure, not only its bytes, is sound."""
+        for where, tree_nbytes in entry.records:
+            if where.file in self.bad_files:
+                return False
+            record = memoryview(bytearray(where.nbytes))
+            try:
+                self.checkpoint.reader.read_range(where, 0, record, name)
+                self.advance(where.nbytes)
+                decode_value(record, tree_nbytes, key=name, path=self.report.path)
+            except UnsafeCheckpointError:
+                pass  # pickled on purpose: its bytes are verified, unpickling it is not ours to do
+            except CheckpointError as exc:
+                self.problem(name, _reason(exc))
+                return False
+        return True
+
+    def advance(self, nbytes: int) -> None:
+        self.report.bytes_checked += nbytes
+        self.progress.advance(nbytes)
+
+
+def _reason(exc: CheckpointError) -> str:
+    """The error's message without the location suffix that the report already shows."""
+    text = str(exc)
+    return text[: text.rfind(" (checkpoint")] if " (checkpoint" in text else text
