@@ -52,6 +52,14 @@ def build(kind: str, seed: int, lr: float = 1e-2) -> tuple[nn.Module, torch.opti
         mesh = init_device_mesh("cpu", (world(),))
         parallelize_module(model, mesh, {"fc1": ColwiseParallel(output_layouts=Replicate()),
                                          "fc2": RowwiseParallel(input_layouts=Replicate())})
+    elif kind.startswith("fsdp1"):
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+        strategy = ShardingStrategy.SHARD_GRAD_OP if kind == "fsdp1_grad_op" else ShardingStrategy.FULL_SHARD
+        # fc1 + norm share one flat parameter (several tensors, irregular cuts); fc2 is nested alone.
+        options = dict(use_orig_params=True, sharding_strategy=strategy, device_id=torch.device("cpu"))
+        model.fc2 = FullyShardedDataParallel(model.fc2, **options)
+        model = FullyShardedDataParallel(model, **options)
     elif kind != "plain":
         raise ValueError(kind)
     return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
@@ -62,6 +70,40 @@ def _is_tp(model: nn.Module) -> bool:
 
     has_dtensor = any(hasattr(p, "placements") for p in model.parameters())
     return has_dtensor and not isinstance(model, FSDPModule)
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Whole model tensors by canonical name (FSDP1: through its full state dict, collectively)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            return {f"model/{fqn.canonical(k)}": v.detach().clone() for k, v in model.state_dict().items()}
+    return {f"model/{fqn.canonical(k)}": full(v).detach().clone() for k, v in model.state_dict().items()}
+
+
+def fsdp1_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """FSDP1 optimizer state, whole, assembled from every rank's pieces at the flat ranges FSDP's own
+    bookkeeping gives (torch's FSDP1 optim_state_dict fails on the CPU with empty local shards)."""
+    out = {}
+    for prefix, fsdp in model.named_modules():
+        handle = getattr(fsdp, "_handle", None)
+        if type(fsdp).__name__ != "FullyShardedDataParallel" or handle is None:
+            continue
+        flat = handle.flat_param
+        for param, name, shape, info in zip(flat._params, flat._fqns, flat._shapes, flat._shard_param_infos):
+            state = {k: v.detach().clone() for k, v in optimizer.state.get(param, {}).items()}
+            pieces = [None] * world()
+            dist.all_gather_object(pieces, (info.intra_param_start_idx, state) if info.in_shard else None)
+            for start, per_key in filter(None, pieces):
+                for key, value in per_key.items():
+                    name_out = f"optimizer/{fqn.canonical(f'{prefix}.{name}'.lstrip('.'))}/{key}"
+                    if value.dim() == 0:
+                        out[name_out] = value
+                        continue
+                    whole = out.setdefault(name_out, torch.empty(shape, dtype=value.dtype))
+                    whole.view(-1)[start: start + value.numel()] = value
+    return out
 
 
 def batch(step: int, data_parallel: bool, global_batch: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,8 +139,10 @@ def full(t: Any) -> Any:
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every model and optimizer tensor, whole, by canonical name (collective for DTensors)."""
-    out = {f"model/{fqn.canonical(k)}": full(v).detach().clone() for k, v in model.state_dict().items()}
+    """Every model and optimizer tensor, whole, by canonical name (collective for DTensors and FSDP1)."""
+    out = model_state(model)
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        return out | fsdp1_optimizer_state(model, optimizer)
     names = {id(p): fqn.canonical(n) for n, p in model.named_parameters()}
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -13,6 +13,7 @@ import torch
 
 from bcp.adapters.fqn import canonical, canonical_map
 from bcp.errors import AdapterError, MismatchError
+from bcp.layout.shards import is_tensor_value
 
 STATE = "state/"
 PARAM_GROUPS = "param_groups"
@@ -48,7 +49,7 @@ def apply_optimizer_values(model: Any, optimizer: Any, values: dict[str, Any]) -
     names = _param_names(model)
     by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
     for name, value in values.items():
-        if name.startswith(STATE) and not isinstance(value, torch.Tensor):
+        if name.startswith(STATE) and not is_tensor_value(value):
             fqn, key = name[len(STATE):].rsplit("/", 1)
             optimizer.state[by_name[fqn]][key] = value
     if PARAM_GROUPS in values:
@@ -111,7 +112,7 @@ def _dict_values(osd: Mapping[str, Any]) -> dict[str, Any]:
 def _apply_to_dict(osd: Any, values: dict[str, Any]) -> None:
     originals = canonical_map(osd["state"])
     for name, value in values.items():
-        if name.startswith(STATE) and not isinstance(value, torch.Tensor):
+        if name.startswith(STATE) and not is_tensor_value(value):
             fqn, key = name[len(STATE):].rsplit("/", 1)
             osd["state"][originals[fqn]][key] = value
     if PARAM_GROUPS in values:

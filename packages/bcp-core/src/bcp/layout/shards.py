@@ -9,6 +9,7 @@ of them gives a rank several pieces of the same tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,3 +43,10 @@ class FlatShard:
     def __post_init__(self) -> None:
         if self.tensor.dim() != 1:
             raise ValueError(f"FlatShard: tensor must be 1-D, got shape {tuple(self.tensor.shape)}")
+
+
+def is_tensor_value(value: Any) -> bool:
+    """Whether a state-dict value is tensor data (saved as boxes) rather than a plain value."""
+    if isinstance(value, (list, tuple)) and value:
+        return all(isinstance(v, (TensorShard, FlatShard)) for v in value)
+    return isinstance(value, (torch.Tensor, TensorShard, FlatShard))

@@ -13,7 +13,7 @@ import torch
 
 from bcp.errors import UnsupportedValueError
 from bcp.layout.box import Box, flat_range_to_boxes
-from bcp.layout.shards import FlatShard, TensorShard
+from bcp.layout.shards import FlatShard, TensorShard, is_tensor_value  # noqa: F401 (re-exported)
 
 
 @dataclass(slots=True)
@@ -27,12 +27,6 @@ class Piece:
     @property
     def nbytes(self) -> int:
         return self.box.numel * self.tensor.element_size()
-
-
-def is_tensor_value(value: Any) -> bool:
-    if isinstance(value, (list, tuple)) and value:
-        return all(isinstance(v, (TensorShard, FlatShard)) for v in value)
-    return isinstance(value, (torch.Tensor, TensorShard, FlatShard))
 
 
 def tensor_meta(name: str, value: Any) -> tuple[torch.dtype, tuple[int, ...]]:

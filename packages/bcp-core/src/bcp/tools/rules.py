@@ -90,11 +90,12 @@ class CastRules:
     @staticmethod
     def parse(texts: Iterable[str]) -> "CastRules":
         """From ``"bfloat16"`` (every floating tensor) or ``"GLOB=bfloat16"`` strings."""
-        rules = []
-        for text in texts:
-            glob, _, dtype = text.rpartition("=")
-            rules.append((glob or None, parse_dtype(dtype)))
-        return CastRules(tuple(rules))
+        return CastRules(tuple(CastRules.parse_rule(text) for text in texts))
+
+    @staticmethod
+    def parse_rule(text: str) -> tuple[str | None, torch.dtype]:
+        glob, _, dtype = text.rpartition("=")
+        return glob or None, parse_dtype(dtype)
 
     def dtype_for(self, name: str, dtype: torch.dtype) -> torch.dtype:
         if not dtype.is_floating_point:

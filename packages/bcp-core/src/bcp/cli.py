@@ -1,0 +1,239 @@
+"""The ``bcp`` command: one sub-command per tool of :mod:`bcp.tools`.
+
+Exit status: 0 on success, 1 when the checkpoint is bad or the operation failed (with the reason
+on stderr), 2 for a malformed command line. Progress bars go to stderr, and only on a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from bcp.errors import CheckpointError
+from bcp.tools import (
+    CastRules,
+    NameRules,
+    convert_bcp_to_dcp,
+    convert_dcp_to_bcp,
+    convert_hf_to_bcp,
+    edit_checkpoint,
+    export_safetensors,
+    format_summary,
+    open_checkpoint,
+    progress_for,
+    summarize,
+    verify_checkpoint,
+)
+from bcp.tools.units import human_bytes, parse_size
+
+_EPILOG = """examples:
+  bcp inspect ckpt/ --filter 'model/*.weight'
+  bcp verify ckpt/
+  bcp export ckpt/ --to safetensors hf_out/ --config hf_config/ --dtype bfloat16
+  bcp convert --from hf hf_model/ ckpt/
+  bcp convert --from dcp dcp_ckpt/ ckpt/ --trust-pickle
+  bcp convert --to dcp ckpt/ dcp_out/
+  bcp edit ckpt/ new_ckpt/ --drop 'optimizer/*' --dtype bfloat16
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (CheckpointError, OSError) as exc:
+        print(f"bcp {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"bcp {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="bcp", description="Inspect, verify, export, convert and edit bcp "
+                                     "checkpoints.", epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    inspect = _command(commands, "inspect", _inspect, "what a checkpoint holds (reads only its manifest)")
+    _source(inspect, "PATH")
+    inspect.add_argument("--json", action="store_true", help="print JSON for machines")
+    inspect.add_argument("--filter", action="append", default=[], metavar="GLOB",
+                         help="list only entries whose name matches (repeatable; '*' crosses '/' and '.')")
+
+    verify = _command(commands, "verify", _verify, "check completeness and every checksum; exit 1 on any problem")
+    _source(verify, "PATH")
+    verify.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    export = _command(commands, "export", _export, "write a component as a Hugging Face safetensors folder")
+    _source(export, "PATH", generation=False)
+    export.add_argument("--to", required=True, choices=["safetensors"], help="output format")
+    export.add_argument("out", metavar="OUT", help="output folder (created if needed)")
+    export.add_argument("--component", default="model", help="component to export (default: model)")
+    export.add_argument("--max-shard-size", default="5GB", type=_size, metavar="SIZE",
+                        help="largest file before splitting, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
+    export.add_argument("--config", metavar="PATH", help="model folder or config.json to copy into OUT; with "
+                        "transformers installed it also tells which weights are tied (written once)")
+    export.add_argument("--keep-tied", action="store_true", help="write tied weights under every name")
+    export.add_argument("--overwrite", action="store_true", help="replace safetensors files already in OUT")
+    _edit_rules(export, "names as written to the files (without 'COMPONENT/')")
+
+    convert = _command(commands, "convert", _convert, "convert between bcp, PyTorch DCP and Hugging Face folders")
+    convert.add_argument("src", metavar="SRC", help="checkpoint or folder to convert")
+    convert.add_argument("out", metavar="OUT", help="new (or empty) output folder")
+    convert.add_argument("--from", dest="source_format", choices=["auto", "bcp", "dcp", "hf"], default="auto",
+                         help="format of SRC (default: detected)")
+    convert.add_argument("--to", dest="target_format", choices=["bcp", "dcp"],
+                         help="format of OUT (default: bcp, or dcp when SRC is bcp)")
+    convert.add_argument("--trust-pickle", action="store_true",
+                         help="DCP metadata is a Python pickle and unpickling runs code: pass this only for a "
+                              "source you trust (needed to read DCP, and bcp checkpoints saved with pickles)")
+    convert.add_argument("--role", help="role sub-checkpoint of a bcp SRC")
+    convert.add_argument("--component", default="model", help="component the hf weights go to (default: model)")
+    convert.add_argument("--tie", action="append", default=None, metavar="ALIAS=KEY", type=_tie,
+                         help="hf: ALIAS shares KEY's tensor (repeatable); default: the ties config.json implies")
+    _edit_rules(convert, "bcp names (model/<key>, ...); to bcp only")
+
+    edit = _command(commands, "edit", _edit, "write an edited copy: rename/drop entries, cast dtypes")
+    edit.add_argument("src", metavar="SRC", help="checkpoint to read (never modified)")
+    edit.add_argument("out", metavar="OUT", help="new (or empty) folder for the edited checkpoint")
+    edit.add_argument("--role", help="role sub-checkpoint of SRC")
+    edit.add_argument("--consolidate", action="store_true", help="store every tensor whole instead of as saved")
+    _edit_rules(edit, "full names (model/<fqn>, optimizer/state/<fqn>/<key>, ...)")
+    return parser
+
+
+def _command(commands: Any, name: str, run: Callable[[argparse.Namespace], int], text: str) -> argparse.ArgumentParser:
+    sub = commands.add_parser(name, help=text, description=text)
+    sub.set_defaults(run=run)
+    return sub
+
+
+def _source(parser: argparse.ArgumentParser, metavar: str, generation: bool = True) -> None:
+    parser.add_argument("path", metavar=metavar, help="checkpoint path (the folder holding gen-* folders)")
+    parser.add_argument("--role", help="role sub-checkpoint (as passed to bcp.save)")
+    if generation:
+        parser.add_argument("--generation", type=int, help="a committed generation other than the newest")
+
+
+def _edit_rules(parser: argparse.ArgumentParser, names: str) -> None:
+    group = parser.add_argument_group("rules", f"patterns match the source {names}; renames apply last")
+    group.add_argument("--drop", action="append", default=[], metavar="GLOB", help="leave out matching entries")
+    group.add_argument("--rename", action="append", nargs=2, default=[], metavar=("REGEX", "REPLACEMENT"),
+                       help="rename with re.sub, in order (repeatable)")
+    group.add_argument("--dtype", action="append", default=[], metavar="[GLOB=]DTYPE", type=_cast,
+                       help="cast floating-point tensors (matching GLOB) to DTYPE, e.g. bfloat16; last match wins")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    summary = summarize(open_checkpoint(args.path, role=args.role, generation=args.generation), filters=args.filter)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    report = verify_checkpoint(args.path, role=args.role, generation=args.generation, progress=progress_for())
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        for problem in report.problems:
+            print(f"PROBLEM {problem.entry or '(file)'}: {problem.message}")
+        verdict = "OK" if report.ok else f"FAILED: {len(report.problems)} problem(s)"
+        print(f"{verdict}: {report.path} generation {report.generation}: {report.tensors} tensors and "
+              f"{report.values} values intact, {human_bytes(report.bytes_checked)} checked")
+    return 0 if report.ok else 1
+
+
+def _export(args: argparse.Namespace) -> int:
+    result = export_safetensors(
+        args.path, args.out, component=args.component, role=args.role, max_shard_size=args.max_shard_size,
+        rules=_rules(args), casts=CastRules(tuple(args.dtype)), config=args.config, keep_tied=args.keep_tied,
+        overwrite=args.overwrite, progress=progress_for())
+    print(f"exported {result.tensors} tensors ({human_bytes(result.total_bytes)}) into {len(result.files)} "
+          f"file(s) in {result.out}")
+    for name, kept in result.tied.items():
+        print(f"  tied: {name} is written once, as {kept}")
+    if result.skipped_values:
+        print(f"  not exported (non-tensor values): {', '.join(result.skipped_values)}")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    source = args.source_format if args.source_format != "auto" else _detect(args.src)
+    target = args.target_format or ("dcp" if source == "bcp" else "bcp")
+    if (source, target) not in {("dcp", "bcp"), ("hf", "bcp"), ("bcp", "dcp")}:
+        raise CheckpointError(f"converting {source} to {target} is not supported (supported: dcp->bcp, hf->bcp, "
+                              "bcp->dcp; for safetensors, use bcp export)")
+    if source == "bcp":
+        result = convert_bcp_to_dcp(args.src, args.out, role=args.role, allow_pickle=args.trust_pickle,
+                                    progress=progress_for())
+        print(f"wrote DCP checkpoint {result.out}: {result.tensors} tensors, {result.values} values")
+        if result.reduced_to_rank0:
+            print(f"  per-rank values kept as rank 0 saved them: {', '.join(result.reduced_to_rank0)}")
+    elif source == "dcp":
+        result = convert_dcp_to_bcp(args.src, args.out, trust_pickle=args.trust_pickle, rules=_rules(args),
+                                    casts=CastRules(tuple(args.dtype)), progress=progress_for())
+        print(f"wrote bcp checkpoint {result.out}: {result.tensors} tensors, {result.values} values")
+    else:
+        ties = None if args.tie is None else dict(args.tie)
+        result = convert_hf_to_bcp(args.src, args.out, component=args.component, rules=_rules(args),
+                                   casts=CastRules(tuple(args.dtype)), ties=ties, progress=progress_for())
+        print(f"wrote bcp checkpoint {result.out}: {result.tensors} tensors")
+        for alias, name in result.tied.items():
+            print(f"  tied: {alias} shares the tensor of {name}")
+    return 0
+
+
+def _edit(args: argparse.Namespace) -> int:
+    result = edit_checkpoint(args.src, args.out, role=args.role, rules=_rules(args),
+                             casts=CastRules(tuple(args.dtype)), consolidate=args.consolidate,
+                             progress=progress_for())
+    print(f"wrote {result.out}: {result.tensors} tensors, {result.values} values, {result.dropped} dropped")
+    return 0
+
+
+def _detect(src: str) -> str:
+    if os.path.isfile(os.path.join(src, ".metadata")):
+        return "dcp"
+    if os.path.isdir(src) and any(n.startswith("gen-") for n in os.listdir(src)):
+        return "bcp"
+    if src.endswith(".safetensors") or (os.path.isdir(src) and any(n.endswith(".safetensors") for n in os.listdir(src))):
+        return "hf"
+    if not os.path.exists(src):
+        raise CheckpointError("no such file or folder", path=src)
+    raise CheckpointError("cannot tell the format (bcp, dcp or hf safetensors); pass --from", path=src)
+
+
+def _rules(args: argparse.Namespace) -> NameRules:
+    try:
+        return NameRules(drop=tuple(args.drop), rename=tuple(tuple(r) for r in args.rename))
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+
+
+def _tie(text: str) -> tuple[str, str]:
+    alias, sep, key = text.partition("=")
+    if not (sep and alias and key):
+        raise argparse.ArgumentTypeError(f"expected ALIAS=KEY, got {text!r}")
+    return alias, key
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _cast(text: str) -> tuple[str | None, Any]:
+    try:
+        return CastRules.parse_rule(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

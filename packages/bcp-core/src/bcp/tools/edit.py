@@ -1,0 +1,81 @@
+"""``bcp edit``: a new checkpoint from an existing one with entries renamed or dropped and tensors
+cast, shard by shard (or tensor by tensor with ``consolidate``); the source is only read."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from bcp.layout.box import Box
+from bcp.layout.dtypes import dtype_from_name
+from bcp.layout.manifest import TensorEntry
+from bcp.tools.build import PieceSource, ValueSource, write_checkpoint
+from bcp.tools.checkpoint import Checkpoint, open_checkpoint
+from bcp.tools.progress import Progress
+from bcp.tools.rules import CastRules, NameRules
+
+
+@dataclass
+class EditResult:
+    out: str
+    generation: int
+    tensors: int
+    values: int
+    dropped: int
+
+
+def edit_checkpoint(src: "str | os.PathLike", out: "str | os.PathLike", *, role: str | None = None,
+                    rules: NameRules = NameRules(), casts: CastRules = CastRules(), consolidate: bool = False,
+                    progress: Progress | None = None) -> EditResult:
+    """Write the checkpoint at ``src``, edited, as a new checkpoint at ``out``.
+
+    ``rules`` and ``casts`` patterns see full names (``model/<fqn>``, ``optimizer/state/...``).
+    Shards keep their boxes (memory: one shard at a time) unless ``consolidate`` writes every
+    tensor as one whole piece (memory: one tensor at a time). Per-rank values are kept per rank.
+    Tensors that shared stored bytes (tied weights) still share them.
+    """
+    checkpoint = open_checkpoint(src, role=role)
+    manifest = checkpoint.manifest
+    names = rules.apply([*manifest.tensors, *manifest.objects])
+    pieces: list[PieceSource] = []
+    aliases: dict[str, str] = {}
+    written: dict[tuple, str] = {}  # stored bytes and target dtype -> new name of the tensor written from them
+    for name, entry in manifest.tensors.items():
+        if name not in names:
+            continue
+        dtype = casts.dtype_for(name, dtype_from_name(entry.dtype))
+        stored = (tuple((s.box, s.bytes) for s in entry.shards), dtype)
+        if stored in written:
+            aliases[names[name]] = written[stored]
+            continue
+        written[stored] = names[name]
+        pieces.extend(_pieces(checkpoint, entry, names[name], dtype, consolidate))
+    values = [_copied(checkpoint, name, names[name]) for name in manifest.objects if name in names]
+    generation = write_checkpoint(
+        out, pieces, values, note="edited", framework=manifest.framework, world_size=manifest.world_size,
+        aliases=aliases, unsafe_pickle=manifest.unsafe_pickle, sources=[checkpoint.location.storage.root],
+        progress=progress)
+    kept = len(written) + len(aliases)
+    return EditResult(os.fspath(out), generation, kept, len(values),
+                      len(manifest.tensors) + len(manifest.objects) - kept - len(values))
+
+
+def _pieces(checkpoint: Checkpoint, entry: TensorEntry, new_name: str, dtype: torch.dtype,
+            consolidate: bool) -> list[PieceSource]:
+    boxes = [s.box for s in entry.shards] if entry.shards and not consolidate else [Box.whole(entry.shape)]
+    return [PieceSource(new_name, dtype, entry.shape, box,
+                        lambda box=box: checkpoint.read_box(entry.name, box).to(dtype))
+            for box in boxes]
+
+
+def _copied(checkpoint: Checkpoint, name: str, new_name: str) -> ValueSource:
+    """A value's records as stored (verified on read), under its new name."""
+    entry = checkpoint.objects[name]
+    records = []
+    for where, tree_nbytes in entry.records:
+        data = bytearray(where.nbytes)
+        checkpoint.reader.read_range(where, 0, memoryview(data), name)
+        records.append((bytes(data), tree_nbytes))
+    return ValueSource(new_name, records, list(entry.ranks))

@@ -1,0 +1,85 @@
+"""FSDP1 flat parameters saved from each rank's local flat shard (no all-gather) and resharded into
+FSDP1 of another size, FSDP2, DDP and a plain module, bitwise, with AdamW state."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+import bcp
+from models import assert_bitwise, build, full_state, rank, train
+from test_resharding import load_fresh, run, save_trained
+
+LAYOUTS = [
+    ("fsdp1", 2, "fsdp1", 3),
+    ("fsdp1", 3, "fsdp1", 2),
+    ("fsdp1", 2, "fsdp2", 2),
+    ("fsdp1", 2, "plain", 1),
+    ("fsdp1", 2, "ddp", 2),
+    ("plain", 1, "fsdp1", 2),
+    ("fsdp2", 3, "fsdp1_grad_op", 2),
+    ("fsdp1_grad_op", 2, "fsdp1", 4),
+]
+
+
+@pytest.mark.parametrize("src,src_world,dst,dst_world", LAYOUTS)
+def test_fsdp1_reshards_bitwise(ranks, tmp_path, src, src_world, dst, dst_world):
+    path = str(tmp_path / "ckpt")
+    saved = run(ranks, src, src_world, save_trained, path)[0]
+    loaded = run(ranks, dst, dst_world, load_fresh, path)
+    assert_bitwise(saved, loaded[0]["state"])
+
+
+COLLECTIVES = ["all_gather", "all_gather_into_tensor", "_all_gather_base", "all_reduce", "broadcast",
+               "reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter", "gather", "scatter",
+               "all_to_all", "all_to_all_single", "barrier", "send", "recv"]
+
+
+def count_collectives_during_save(path: str) -> dict:
+    """Counts every torch.distributed collective issued while bcp saves an FSDP1 model, by group."""
+    model, optimizer = build("fsdp1", seed=1)
+    train(model, optimizer, range(2))
+    coordinator = bcp.TorchCoordinator()
+    calls: list[tuple[str, object]] = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append((name, kwargs.get("group")))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    try:
+        for name, fn in originals.items():
+            setattr(dist, name, counting(name, fn))
+        bcp.save(path, {"model": model, "optimizer": optimizer}, coordinator=coordinator)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return {"total": len(calls), "outside_planning": [n for n, g in calls if g is not coordinator.group]}
+
+
+def test_fsdp1_save_runs_no_collective_besides_planning(ranks, tmp_path):
+    for result in ranks(2).run(count_collectives_during_save, str(tmp_path / "ckpt")):
+        assert result["total"] > 0, "the counter must see the planning exchange, or it counts nothing"
+        assert result["outside_planning"] == []
+
+
+N, M = 3, 3
+
+
+def continuity(kind: str, path: str, resume: bool) -> list[float]:
+    model, optimizer = build(kind, seed=99 if resume else 1)
+    if resume:
+        bcp.load(path, {"model": model, "optimizer": optimizer})
+    else:
+        train(model, optimizer, range(N))
+        bcp.save(path, {"model": model, "optimizer": optimizer})
+    return train(model, optimizer, range(N, N + M))
+
+
+def test_fsdp1_resume_same_layout_is_exact_and_into_fsdp2_is_close(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    expected = ranks(2).run(continuity, "fsdp1", path, False)[0]
+    assert ranks(2).run(continuity, "fsdp1", path, True)[0] == expected
+    assert ranks(2).run(continuity, "fsdp2", path, True)[0] == pytest.approx(expected, rel=1e-4, abs=1e-6)
