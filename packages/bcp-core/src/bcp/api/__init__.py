@@ -2,6 +2,6 @@
 
 from bcp.api.load import load
 from bcp.api.results import LoadResult, PhaseStats, SaveHandle
-from bcp.api.save import save
+from bcp.api.save import save, wait_pending_saves
 
-__all__ = ["save", "load", "SaveHandle", "LoadResult", "PhaseStats"]
+__all__ = ["save", "load", "SaveHandle", "LoadResult", "PhaseStats", "wait_pending_saves"]

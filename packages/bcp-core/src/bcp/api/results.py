@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -28,16 +29,21 @@ class PhaseStats:
 class SaveHandle:
     """A save in progress or done. ``wait()`` returns once the checkpoint is committed."""
 
-    def __init__(self, path: str, generation: int, stats: PhaseStats) -> None:
+    def __init__(self, path: str, generation: int, stats: PhaseStats, future: "Future | None" = None) -> None:
         self.path = path
         self.generation = generation
+        #: Per-phase seconds and bytes written by this rank; complete once ``wait()`` returned.
         self.stats = stats
+        self._future = future
 
-    def wait(self) -> None:
-        """Block until committed; a synchronous save is committed when ``save`` returns."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until committed and raise the save's error if it failed; a synchronous save is
+        committed when ``save`` returns."""
+        if self._future is not None:
+            self._future.result(timeout)
 
     def done(self) -> bool:
-        return True
+        return self._future is None or self._future.done()
 
 
 @dataclass

@@ -26,6 +26,13 @@ class Coordinator(Protocol):
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         """Rank 0's bytes, on every rank."""
 
+    def sibling(self) -> "Coordinator":
+        """A coordinator over the same ranks on a channel of its own, for exchanges made from a
+        background thread while this one keeps planning. Every rank must call it (collectively)."""
+
+    def cache_key(self) -> object:
+        """Identifies the channel: plans cached under it stay valid while the ranks stay the same."""
+
 
 class SingleProcessCoordinator:
     """The coordinator of a run without a process group: every exchange is with oneself."""
@@ -46,3 +53,9 @@ class SingleProcessCoordinator:
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         assert data is not None
         return data
+
+    def sibling(self) -> "SingleProcessCoordinator":
+        return self
+
+    def cache_key(self) -> object:
+        return "single-process"

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from bcp.errors import DistributedError
 
 DEFAULT_TIMEOUT_S = 600.0
-# (id of parent group, timeout) -> gloo group; entries whose group was destroyed are rebuilt.
-_groups: dict[tuple[int, float], "dist.ProcessGroup"] = {}
+# (id of parent group, timeout, channel) -> gloo group; entries whose group was destroyed are rebuilt.
+_groups: dict[tuple[int, float, str], "dist.ProcessGroup"] = {}
 
 
 class TorchCoordinator:
@@ -21,12 +21,21 @@ class TorchCoordinator:
     ``timeout`` (seconds) bounds every exchange; by default it is the parent group's own timeout.
     """
 
-    def __init__(self, group: "dist.ProcessGroup | None" = None, timeout: float | None = None) -> None:
+    def __init__(self, group: "dist.ProcessGroup | None" = None, timeout: float | None = None,
+                 channel: str = "plan") -> None:
         parent = group if group is not None else dist.group.WORLD
+        self.parent = parent
+        self.channel = channel
         self.timeout = timeout if timeout is not None else _group_timeout(parent)
-        self.group = _gloo_group(parent, self.timeout)
+        self.group = _gloo_group(parent, self.timeout, channel)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+
+    def sibling(self) -> "TorchCoordinator":
+        return TorchCoordinator(self.parent, self.timeout, channel=f"{self.channel}/background")
+
+    def cache_key(self) -> object:
+        return (id(self.group), self.rank, self.world_size)
 
     def _sizes(self, data: bytes) -> list[int]:
         size = torch.tensor([len(data)], dtype=torch.int64)
@@ -102,9 +111,9 @@ def _group_timeout(group: "dist.ProcessGroup") -> float:
             return DEFAULT_TIMEOUT_S
 
 
-def _gloo_group(parent: "dist.ProcessGroup", timeout: float) -> "dist.ProcessGroup":
-    """One gloo group per (parent group, timeout), created collectively on first use."""
-    key = (id(parent), timeout)
+def _gloo_group(parent: "dist.ProcessGroup", timeout: float, channel: str) -> "dist.ProcessGroup":
+    """One gloo group per (parent group, timeout, channel), created collectively on first use."""
+    key = (id(parent), timeout, channel)
     group = _groups.get(key)
     live = dist.distributed_c10d._world.pg_map
     if group is None or group not in live or parent not in live:

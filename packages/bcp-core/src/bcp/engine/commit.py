@@ -9,41 +9,40 @@ from bcp.layout.box import Box
 from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry, ShardEntry, TensorEntry
 
 
-def build_manifest(*, generation: int, framework: str, checksum_chunk: int, unsafe_pickle: bool,
-                   writer: str, local_plans: list[list[Any]], writes: list[list[Any]],
-                   object_owners: dict[str, dict[int, int]]) -> Manifest:
-    """``local_plans[r]`` is rank r's local plan (``save_plan.local_plan``); ``writes[r]`` its
-    ``[files, piece writes, object writes]`` (see ``RankWrites``)."""
+def build_manifest(*, generation: int, framework: str, checksum_chunk: int, writer: str,
+                   local_plans: list[list[Any]], writes: list[list[Any]]) -> Manifest:
+    """``local_plans[r]`` is rank r's local plan (``save_plan.local_plan``); ``writes[r]`` what it
+    wrote (``RankWrites.to_wire``)."""
     files: list[str] = []
     file_base: list[int] = []
-    for rank_files, _, _ in writes:
+    for rank_files, *_ in writes:
         file_base.append(len(files))
         files.extend(rank_files)
 
     tensors: dict[str, TensorEntry] = {}
-    for plan in local_plans:
-        for name, dtype, shape in plan[0]:
+    for declared, _ in local_plans:
+        for name, dtype, shape in declared:
             if name not in tensors:
                 tensors[name] = TensorEntry(name, dtype, tuple(shape))
-    records: dict[tuple[str, int], tuple[ByteRange, int]] = {}
-    for rank, (_, piece_writes, object_writes) in enumerate(writes):
-        declared, rows = local_plans[rank][0], local_plans[rank][1]
-        for index, file, offset, nbytes, crcs in piece_writes:
-            tensor, offsets, lengths = rows[index][:3]
-            name = declared[tensor][0]
+    per_rank: dict[str, dict[int, tuple[ByteRange, int]]] = {}
+    for rank, (_, piece_writes, object_writes, _) in enumerate(writes):
+        declared, rows = local_plans[rank]
+        for spec, file, offset, nbytes, crcs in piece_writes:
+            row = rows[spec if isinstance(spec, int) else spec[0]]
+            box = Box(tuple(row[1]), tuple(row[2])) if isinstance(spec, int) else Box(tuple(spec[1]), tuple(spec[2]))
             where = ByteRange(file_base[rank] + file, offset, nbytes, tuple(crcs))
-            tensors[name].shards.append(ShardEntry(Box(tuple(offsets), tuple(lengths)), where))
+            tensors[declared[row[0]][0]].shards.append(ShardEntry(box, where))
         for name, file, offset, nbytes, tree, crcs in object_writes:
-            records[(name, rank)] = (ByteRange(file_base[rank] + file, offset, nbytes, tuple(crcs)), tree)
+            where = ByteRange(file_base[rank] + file, offset, nbytes, tuple(crcs))
+            per_rank.setdefault(name, {})[rank] = (where, tree)
 
     objects: dict[str, ObjectEntry] = {}
-    for name, owner_of in object_owners.items():
-        owners = sorted(set(owner_of.values()))
-        index = {owner: i for i, owner in enumerate(owners)}
-        objects[name] = ObjectEntry(
-            name, [records[(name, owner)] for owner in owners],
-            [index[owner_of[r]] if r in owner_of else -1 for r in range(len(writes))])
+    for name, by_rank in per_rank.items():
+        holders = sorted(by_rank)
+        index = {rank: i for i, rank in enumerate(holders)}
+        objects[name] = ObjectEntry(name, [by_rank[r] for r in holders],
+                                    [index.get(r, -1) for r in range(len(writes))])
 
     return Manifest(generation=generation, world_size=len(writes), framework=framework, files=files,
                     tensors=tensors, objects=objects, checksum_chunk=checksum_chunk,
-                    unsafe_pickle=unsafe_pickle, created_unix=time.time(), writer=writer)
+                    unsafe_pickle=any(w[3] for w in writes), created_unix=time.time(), writer=writer)

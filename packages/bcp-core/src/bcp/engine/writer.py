@@ -1,51 +1,83 @@
-"""Writing one rank's share of a checkpoint: pieces and object records into data files, with
-chunk checksums, several files in parallel (one writer thread per file)."""
+"""Writing one rank's share of a checkpoint: pieces and value records into data files, with chunk
+checksums, several files in parallel (one writer thread per file), from tensor memory directly."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
+
+import torch
 
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import chunk_crcs
 from bcp.engine.location import Location, data_file_name
 from bcp.errors import StorageError
+from bcp.layout.box import Box
 from bcp.layout.values import EncodedValue
 from bcp.planning.pieces import Piece
-
 
 # Below this many bytes per file, another file (and writer thread) costs more than it saves.
 MIN_BYTES_PER_FILE = 32 << 20
 
 
 @dataclass(slots=True)
-class _Item:
-    key: int | str  # piece index, or object name
-    nbytes: int
-    piece: Piece | None = None
-    value: EncodedValue | None = None
+class PieceWrite:
+    """A piece to write: ``spec`` is the plan's entry (a piece index, or ``[index, offsets,
+    lengths]`` for part of a split piece), ``tensor`` the bytes to write (shaped like the part)."""
+
+    spec: Any
+    tensor: torch.Tensor
+
+
+def piece_writes(pieces: list[Piece], specs: list[Any]) -> list[PieceWrite]:
+    """The plan's write entries resolved to tensors (views of the pieces, no copy)."""
+    out = []
+    for spec in specs:
+        if isinstance(spec, int):
+            out.append(PieceWrite(spec, pieces[spec].tensor))
+        else:
+            piece = pieces[spec[0]]
+            part = Box(tuple(spec[1]), tuple(spec[2])).relative_to(piece.box)
+            out.append(PieceWrite(spec, piece.tensor[part.slices()]))
+    return out
 
 
 @dataclass
 class RankWrites:
-    """What a rank wrote, as plain data for the coordinator: file names, and per piece/object
-    ``[key, file index, offset, nbytes, crcs]`` (objects also carry their tree length)."""
+    """What a rank wrote, as plain data for the coordinator: file names, per piece
+    ``[spec, file index, offset, nbytes, crcs]``, per value ``[name, file index, offset, nbytes,
+    tree nbytes, crcs]``, and whether any value was pickled."""
 
     files: list[str] = field(default_factory=list)
     pieces: list[list] = field(default_factory=list)
     objects: list[list] = field(default_factory=list)
+    used_pickle: bool = False
 
     def to_wire(self) -> list:
-        return [self.files, self.pieces, self.objects]
+        return [self.files, self.pieces, self.objects, self.used_pickle]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(row[3] for row in self.pieces + self.objects)
 
 
-def write_rank(location: Location, generation: int, rank: int, pieces: list[tuple[int, Piece]],
+@dataclass(slots=True)
+class _Item:
+    nbytes: int
+    piece: PieceWrite | None = None
+    name: str = ""
+    value: EncodedValue | None = None
+
+
+def write_rank(location: Location, generation: int, rank: int, pieces: list[PieceWrite],
                objects: list[tuple[str, EncodedValue]], threads: int, chunk: int) -> RankWrites:
-    items = [_Item(i, p.nbytes, piece=p) for i, p in pieces] + [_Item(n, v.nbytes, value=v) for n, v in objects]
+    items = [_Item(p.tensor.numel() * p.tensor.element_size(), piece=p) for p in pieces]
+    items += [_Item(v.nbytes, name=n, value=v) for n, v in objects]
     total = sum(item.nbytes for item in items)
     bins = _balance(items, max(1, min(threads, len(items), total // MIN_BYTES_PER_FILE)))
-    result = RankWrites(files=[data_file_name(rank, i) for i in range(len(bins))])
+    result = RankWrites(files=[data_file_name(rank, i) for i in range(len(bins))],
+                        used_pickle=any(v.used_pickle for _, v in objects))
     with ThreadPoolExecutor(max_workers=len(bins) or 1, thread_name_prefix="bcp-write") as pool:
         futures = [pool.submit(_write_file, location, generation, result.files[i], i, items, chunk)
                    for i, items in enumerate(bins)]
@@ -77,15 +109,13 @@ def _write_file(location: Location, generation: int, name: str, file_index: int,
         for item in items:
             if item.piece is not None:
                 data = byte_view(host_contiguous(item.piece.tensor))
-                pieces.append([item.key, file_index, offset, data.nbytes, chunk_crcs(data, chunk)])
-                yield data
-                offset += data.nbytes
+                pieces.append([item.piece.spec, file_index, offset, data.nbytes, chunk_crcs(data, chunk)])
             else:
-                record = memoryview(b"".join(item.value.chunks()))  # small: one buffer, one checksum pass
-                objects.append([item.key, file_index, offset, record.nbytes, len(item.value.tree),
-                                chunk_crcs(record, chunk)])
-                yield record
-                offset += record.nbytes
+                data = memoryview(b"".join(item.value.chunks()))  # small: one buffer, one checksum pass
+                objects.append([item.name, file_index, offset, data.nbytes, len(item.value.tree),
+                                chunk_crcs(data, chunk)])
+            yield data
+            offset += data.nbytes
 
     try:
         location.storage.write_file(location.name(generation, name), stream())

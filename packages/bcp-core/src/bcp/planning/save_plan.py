@@ -2,18 +2,21 @@
 
 Replicated data is written once: identical boxes of a tensor on several ranks are replicas, and
 each is given to the replica-holding rank with the fewest bytes so far, largest first (worst-fit,
-paper section 4.1). The coordinator also checks that ranks agree on every tensor's dtype and
-global shape and that the pieces cover every tensor exactly. All of it is linear in the number
-of pieces.
+paper section 4.1); a very large replicated box is cut along its first dimension so that several
+of its holders write a part each. The coordinator also checks that ranks agree on every tensor's
+dtype and global shape and that the pieces cover every tensor exactly. All of it is linear in the
+number of pieces, except the pairwise overlap check, which is bounded per tensor.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
+
+import msgpack
 
 from bcp.errors import MismatchError
 from bcp.layout.box import Box
@@ -23,18 +26,13 @@ from bcp.planning.pieces import Piece
 # Coverage is proven by volume plus pairwise disjointness; beyond this many distinct boxes per
 # tensor the pairwise test is skipped (volume and bounds are still checked).
 PAIRWISE_OVERLAP_LIMIT = 256
-
-
-@dataclass(frozen=True, slots=True)
-class LocalObject:
-    name: str
-    crc: int
-    nbytes: int
+# A replicated box larger than this is split between the ranks that hold it.
+SPLIT_BYTES = 256 << 20
 
 
 def local_plan(tensors: list[tuple[str, Any, tuple[int, ...]]], pieces: list[Piece],
-               objects: list[LocalObject], replica_crcs: list[int] | None, used_pickle: bool) -> list[Any]:
-    """This rank's plan as plain data: ``[tensor rows, piece rows, object rows, used_pickle]``.
+               replica_crcs: list[int] | None) -> list[Any]:
+    """This rank's plan as plain data: ``[tensor rows, piece rows]``.
 
     Tensor rows ``[name, dtype, global shape]`` declare every tensor this rank has, pieces or not
     (an empty shard still names its tensor); piece rows ``[tensor row, offsets, lengths(, crc)]``
@@ -46,17 +44,21 @@ def local_plan(tensors: list[tuple[str, Any, tuple[int, ...]]], pieces: list[Pie
         if replica_crcs is not None:
             row.append(replica_crcs[i])
         rows.append(row)
-    return [[[n, dtype_name(d), list(s)] for n, d, s in tensors], rows,
-            [[o.name, o.crc, o.nbytes] for o in objects], used_pickle]
+    return [[[n, dtype_name(d), list(s)] for n, d, s in tensors], rows]
 
 
-def global_plan(local_plans: list[list[Any]]) -> tuple[list[list[Any]], dict[str, dict[int, int]]]:
-    """For each rank ``[piece indices to write, object names to write]``, and the object owners:
-    for each object name and rank, the rank whose record stands for that rank's value."""
+def plan_digest(plan: list[Any]) -> bytes:
+    """A fingerprint of a local plan: equal digests mean the same tensors, shapes, dtypes and boxes."""
+    return hashlib.blake2b(msgpack.packb(plan), digest_size=16).digest()
+
+
+def global_plan(local_plans: list[list[Any]], split_bytes: int = SPLIT_BYTES) -> list[list[Any]]:
+    """For each rank, the pieces it writes: a piece index, or ``[index, offsets, lengths]`` for the
+    part of a split replicated piece."""
     tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
     replicas: dict[tuple[str, tuple, tuple], list[tuple[int, int]]] = defaultdict(list)
     crcs: dict[tuple[str, tuple, tuple], dict[int, int]] = defaultdict(dict)
-    for rank, (declared, rows, _, _) in enumerate(local_plans):
+    for rank, (declared, rows) in enumerate(local_plans):
         for name, dtype, shape in declared:
             seen = tensors.setdefault(name, (dtype, tuple(shape), rank))
             if seen[:2] != (dtype, tuple(shape)):
@@ -73,41 +75,37 @@ def global_plan(local_plans: list[list[Any]]) -> tuple[list[list[Any]], dict[str
     _check_coverage(tensors, replicas)
 
     load = [0] * len(local_plans)
-    writes: list[list[int]] = [[] for _ in local_plans]
-    sized = sorted(replicas.items(), key=lambda kv: -math.prod(kv[0][2]) * itemsize_of(tensors[kv[0][0]][0]))
-    for (name, _, lengths), holders in sized:
-        rank, index = min(holders, key=lambda h: load[h[0]])
-        load[rank] += math.prod(lengths) * itemsize_of(tensors[name][0])
-        writes[rank].append(index)
+    writes: list[list[Any]] = [[] for _ in local_plans]
+    sized = sorted(((math.prod(k[2]) * itemsize_of(tensors[k[0]][0]), k, h) for k, h in replicas.items()),
+                   key=lambda item: -item[0])
+    for nbytes, (_, offsets, lengths), holders in sized:
+        parts = min(len(holders), -(-nbytes // split_bytes), lengths[0] if lengths else 1)
+        if parts <= 1:
+            rank, index = min(holders, key=lambda h: load[h[0]])
+            load[rank] += nbytes
+            writes[rank].append(index)
+            continue
+        chosen = sorted(holders, key=lambda h: load[h[0]])[:parts]
+        for (rank, index), (start, count) in zip(chosen, _split_rows(lengths[0], parts)):
+            sub = [offsets[0] + start, *offsets[1:]], [count, *lengths[1:]]
+            load[rank] += nbytes * count // lengths[0]
+            writes[rank].append([index, *sub])
+    return writes
 
-    owners = _object_owners(local_plans, load)
-    object_writes: list[list[str]] = [[] for _ in local_plans]
-    for name, by_rank in owners.items():
-        for owner in set(by_rank.values()):
-            object_writes[owner].append(name)
-    return [[writes[r], object_writes[r]] for r in range(len(local_plans))], owners
+
+def _split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
+    base, extra = divmod(rows, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        count = base + (1 if i < extra else 0)
+        bounds.append((start, count))
+        start += count
+    return bounds
 
 
 @functools.lru_cache(maxsize=None)
 def itemsize_of(name: str) -> int:
     return itemsize(dtype_from_name(name))
-
-
-def _object_owners(local_plans: list[list[Any]], load: list[int]) -> dict[str, dict[int, int]]:
-    """For each object name and rank, the rank whose record stands for it: ranks whose encoded
-    bytes are identical (same crc and size) share one record, written by the least loaded of them."""
-    groups: dict[str, dict[tuple[int, int], list[int]]] = defaultdict(lambda: defaultdict(list))
-    for rank, plan in enumerate(local_plans):
-        for name, crc, nbytes in plan[2]:
-            groups[name][(crc, nbytes)].append(rank)
-    owners: dict[str, dict[int, int]] = {}
-    for name, variants in groups.items():
-        owners[name] = {}
-        for (_, nbytes), ranks in variants.items():
-            owner = min(ranks, key=lambda r: load[r])
-            load[owner] += nbytes
-            owners[name].update({r: owner for r in ranks})
-    return owners
 
 
 def _check_replicas_agree(crcs: dict[tuple, dict[int, int]]) -> None:

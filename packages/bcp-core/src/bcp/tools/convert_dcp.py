@@ -173,13 +173,13 @@ class DcpSource:
         return self._load(wanted, ", ".join(keys[:3])) if wanted else {}
 
     def _load(self, state: dict[str, Any], what: str) -> dict[str, Any]:
-        from torch.distributed.checkpoint import DefaultLoadPlanner, load
+        from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, load
 
         planner = DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
         try:
             with _single_process():
                 load(state, storage_reader=self.reader, planner=planner, no_dist=True)
-        except Exception as exc:  # DCP wraps storage errors in its own exception types
+        except (Exception, CheckpointException) as exc:  # DCP wraps storage errors in a BaseException
             raise CorruptCheckpointError(f"reading {what} failed: {type(exc).__name__}: {exc}", path=self.path) from None
         return state
 

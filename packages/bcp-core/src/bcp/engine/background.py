@@ -1,0 +1,32 @@
+"""The background lane of asynchronous saves: one worker thread per process runs the write and
+commit of each save in call order, so commits happen in the order ``save`` was called. Python
+joins the worker before the interpreter exits, so a queued save is never dropped."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+_lock = threading.Lock()
+_executor: ThreadPoolExecutor | None = None
+_pending: list[Future] = []
+
+
+def submit(job: Callable[[], Any]) -> Future:
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcp-async-save")
+        future = _executor.submit(job)
+        _pending[:] = [f for f in _pending if not f.done()] + [future]
+        return future
+
+
+def wait_pending() -> None:
+    """Block until every asynchronous save of this process is committed (or failed). Errors are
+    not raised here: each save's handle raises its own from ``wait()``."""
+    with _lock:
+        pending = list(_pending)
+    for future in pending:
+        future.exception()

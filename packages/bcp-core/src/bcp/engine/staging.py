@@ -1,0 +1,81 @@
+"""Staging for asynchronous saves: the pieces a rank writes are copied into reusable host buffers,
+so training may change its tensors as soon as ``save`` returns.
+
+A pool keeps at most ``max_sets`` buffers (ping-pong: the next save stages into one buffer while
+the previous save is still writing from the other) and reuses them across saves, so host memory
+stays flat. Where CUDA is present the buffers are pinned, making the device-to-host copy fast and
+asynchronous until the single synchronisation at the end of staging.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from bcp.engine.writer import PieceWrite
+
+ALIGN = 64  # every staged piece starts on a 64-byte boundary: any dtype view of it is aligned
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def staged_nbytes(writes: list[PieceWrite]) -> int:
+    return sum(_aligned(w.tensor.numel() * w.tensor.element_size()) for w in writes)
+
+
+class HostBufferPool:
+    """Reusable host buffers; ``acquire`` blocks while ``max_sets`` buffers are in use."""
+
+    def __init__(self, max_sets: int = 2) -> None:
+        self.max_sets = max_sets
+        self._free: list[torch.Tensor] = []
+        self._in_use = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        with self._cond:
+            while self._in_use >= self.max_sets:
+                self._cond.wait()
+            self._in_use += 1
+            fitting = [b for b in self._free if b.numel() >= nbytes]
+            if fitting:
+                buffer = min(fitting, key=torch.Tensor.numel)
+                self._free.remove(buffer)
+                return buffer
+            if self._free:  # too small to reuse: give its memory back before allocating
+                self._free.remove(min(self._free, key=torch.Tensor.numel))
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=_pin())
+
+    def release(self, buffer: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(buffer)
+            self._in_use -= 1
+            self._cond.notify()
+
+    @property
+    def held_bytes(self) -> int:
+        with self._cond:
+            return sum(b.numel() for b in self._free)
+
+
+def _pin() -> bool:
+    return torch.cuda.is_available()
+
+
+def stage(writes: list[PieceWrite], buffer: torch.Tensor) -> list[PieceWrite]:
+    """Copy each write's tensor into ``buffer``; the returned writes read from the copies."""
+    staged, offset, from_cuda = [], 0, False
+    for write in writes:
+        t = write.tensor
+        nbytes = t.numel() * t.element_size()
+        view = buffer[offset: offset + nbytes].view(t.dtype).view(t.shape)
+        from_cuda |= t.device.type == "cuda"
+        view.copy_(t, non_blocking=t.device.type == "cuda")
+        staged.append(PieceWrite(write.spec, view))
+        offset += _aligned(nbytes)
+    if from_cuda:
+        torch.cuda.synchronize()  # the copies above were queued asynchronously into pinned memory
+    return staged

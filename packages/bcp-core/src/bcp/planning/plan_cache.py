@@ -1,0 +1,33 @@
+"""The plan cache: a save whose structure (tensors, dtypes, shapes, boxes on every rank) is the same
+as the previous save's reuses its global plan, skipping the gather of local plans (paper 4.1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class CachedPlan:
+    digest: bytes
+    #: This rank's write entries (see ``save_plan.global_plan``).
+    writes: list[Any]
+    #: Every rank's local plan, kept on the coordinating rank only (it assembles manifests).
+    local_plans: list[list[Any]] | None
+
+
+class PlanCache:
+    """One cached plan per coordinator channel (world, rank and process group)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Any, CachedPlan] = {}
+
+    def get(self, key: Any, digest: bytes) -> CachedPlan | None:
+        entry = self._entries.get(key)
+        return entry if entry is not None and entry.digest == digest else None
+
+    def put(self, key: Any, plan: CachedPlan) -> None:
+        self._entries[key] = plan
+
+    def clear(self) -> None:
+        self._entries.clear()
