@@ -1,6 +1,6 @@
 """The background lane of asynchronous saves: one worker thread per process runs the write and
-commit of each save in call order, so commits happen in the order ``save`` was called. Python
-joins the worker before the interpreter exits, so a queued save is never dropped."""
+commit of each save in call order, so commits happen in the order ``save`` was called. At exit the
+interpreter waits for every pending save before thread pools shut down, so none is dropped."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def submit(job: Callable[[], Any]) -> Future:
     with _lock:
         if _executor is None:
             _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcp-async-save")
+            _wait_at_exit()
         future = _executor.submit(job)
         _pending[:] = [f for f in _pending if not f.done()] + [future]
         return future
@@ -30,3 +31,16 @@ def wait_pending() -> None:
         pending = list(_pending)
     for future in pending:
         future.exception()
+
+
+def _wait_at_exit() -> None:
+    # concurrent.futures refuses new work once its own exit hook has run, and a save's writers
+    # use thread pools: our hook must run before that one. threading's exit hooks run before
+    # atexit's, newest first; fall back to atexit where that private hook is missing.
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(wait_pending)
+    else:
+        import atexit
+
+        atexit.register(wait_pending)

@@ -33,6 +33,7 @@ class HostBufferPool:
         self.max_sets = max_sets
         self._free: list[torch.Tensor] = []
         self._in_use = 0
+        self._allocated = 0
         self._cond = threading.Condition()
 
     def acquire(self, nbytes: int) -> torch.Tensor:
@@ -46,7 +47,10 @@ class HostBufferPool:
                 self._free.remove(buffer)
                 return buffer
             if self._free:  # too small to reuse: give its memory back before allocating
-                self._free.remove(min(self._free, key=torch.Tensor.numel))
+                dropped = min(self._free, key=torch.Tensor.numel)
+                self._free.remove(dropped)
+                self._allocated -= dropped.numel()
+            self._allocated += nbytes
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=_pin())
 
     def release(self, buffer: torch.Tensor) -> None:
@@ -56,9 +60,10 @@ class HostBufferPool:
             self._cond.notify()
 
     @property
-    def held_bytes(self) -> int:
+    def allocated_bytes(self) -> int:
+        """Host memory held by the pool's buffers, in use or free."""
         with self._cond:
-            return sum(b.numel() for b in self._free)
+            return self._allocated
 
 
 def _pin() -> bool:

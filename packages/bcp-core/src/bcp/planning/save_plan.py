@@ -52,9 +52,10 @@ def plan_digest(plan: list[Any]) -> bytes:
     return hashlib.blake2b(msgpack.packb(plan), digest_size=16).digest()
 
 
-def global_plan(local_plans: list[list[Any]], split_bytes: int = SPLIT_BYTES) -> list[list[Any]]:
+def global_plan(local_plans: list[list[Any]], split_bytes: int | None = None) -> list[list[Any]]:
     """For each rank, the pieces it writes: a piece index, or ``[index, offsets, lengths]`` for the
-    part of a split replicated piece."""
+    part of a split replicated piece (boxes over ``split_bytes``, default ``SPLIT_BYTES``)."""
+    split_bytes = split_bytes or SPLIT_BYTES
     tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
     replicas: dict[tuple[str, tuple, tuple], list[tuple[int, int]]] = defaultdict(list)
     crcs: dict[tuple[str, tuple, tuple], dict[int, int]] = defaultdict(dict)

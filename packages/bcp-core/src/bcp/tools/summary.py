@@ -77,7 +77,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"saved from   {summary['framework']}, world size {summary['world_size']}",
         f"data         {human_bytes(summary['tensor_bytes'])} of tensors, "
         f"{human_bytes(summary['value_bytes'])} of values, in {summary['files']} file(s)",
-        "components   " + ", ".join(f"{name} ({c['tensors']} tensors, {c['values']} values)"
+        "components   " + ", ".join(f"{name} ({_count(c['tensors'], 'tensor')}, {_count(c['values'], 'value')})"
                                    for name, c in summary["components"].items()),
     ]
     if summary["unsafe_pickle"]:
@@ -107,6 +107,10 @@ def _tiles(intervals: list[tuple[int, int]], size: int) -> bool:
             return False
         end += length
     return end == size
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _timestamp(unix: float) -> str:

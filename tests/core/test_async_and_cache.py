@@ -1,0 +1,178 @@
+"""Asynchronous saves (staging, call-order commits, errors, exit), the plan cache and its
+invalidation, and the splitting of large replicated tensors across writers."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+import torch.distributed as dist
+
+import bcp
+from models import assert_bitwise, build, full_state, rank, train
+
+save_module = importlib.import_module("bcp.api.save")  # the module (bcp.api.save is also the function)
+
+
+def test_async_save_snapshots_state_at_call_time(tmp_path):
+    model, optimizer = build("plain", seed=1)
+    train(model, optimizer, range(2))
+    expected = full_state(model, optimizer)
+    handle = bcp.save(tmp_path, {"model": model, "optimizer": optimizer}, async_save=True)
+    train(model, optimizer, range(2, 4))  # training goes on while the save writes
+    handle.wait()
+    assert handle.done() and {"plan", "stage", "write", "commit"} <= handle.stats.seconds.keys()
+    fresh, fresh_opt = build("plain", seed=2)
+    bcp.load(tmp_path, {"model": fresh, "optimizer": fresh_opt})
+    assert_bitwise(expected, full_state(fresh, fresh_opt))
+
+
+def test_async_saves_commit_in_call_order_and_reuse_buffers(tmp_path):
+    state = {"w": torch.zeros(50_000)}
+    handles = []
+    for step in range(6):
+        state["w"].fill_(step)
+        handles.append(bcp.save(tmp_path, {"model": state}, async_save=True))
+    bcp.wait_pending_saves()
+    held = save_module._buffers.allocated_bytes
+    assert 0 < held <= 2 * 200_064  # at most two buffer sets (ping-pong) of one save's bytes
+    for step in range(6, 12):
+        state["w"].fill_(step)
+        handles.append(bcp.save(tmp_path, {"model": state}, async_save=True))
+    bcp.wait_pending_saves()
+    assert [h.generation for h in handles] == list(range(1, 13))
+    assert save_module._buffers.allocated_bytes == held  # host memory stays flat across saves
+    out = {"w": torch.empty(50_000)}
+    assert bcp.load(tmp_path, {"model": out}).generation == 12
+    assert torch.equal(out["w"], torch.full((50_000,), 11.0))
+
+
+def test_async_save_error_is_raised_by_wait(tmp_path):
+    blocker = tmp_path / "ckpt"
+    blocker.write_text("a file where the checkpoint folder should be")
+    handle = bcp.save(blocker, {"model": {"w": torch.ones(4)}}, async_save=True)
+    try:
+        handle.wait()
+    except bcp.CheckpointError as exc:
+        assert "ckpt" in str(exc)
+    else:
+        raise AssertionError("the failed background save must raise from wait()")
+
+
+def test_process_exit_waits_for_pending_async_saves(tmp_path):
+    script = textwrap.dedent(f"""
+        import torch, bcp
+        bcp.save({str(tmp_path)!r}, {{"model": {{"w": torch.arange(2_000_000.0)}}}}, async_save=True)
+        # no wait(): the interpreter must not exit before the commit
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    out = {"w": torch.zeros(2_000_000)}
+    bcp.load(tmp_path, {"model": out})
+    assert torch.equal(out["w"], torch.arange(2_000_000.0))
+
+
+class CountingCoordinator(bcp.TorchCoordinator):
+    """A real coordinator that counts its gathers (planning exchanges are gathers)."""
+
+    gathers = 0
+
+    def gather_bytes(self, data):
+        type(self).gathers += 1
+        return super().gather_bytes(data)
+
+
+def cache_case(path: str) -> list[int]:
+    """Gathers per save: a first save, an unchanged one (cache hit), one where only rank 1's shapes
+    change (every rank must replan), and the changed structure again (hit)."""
+    save_module._plan_cache.clear()
+    coordinator = CountingCoordinator()
+    counts = []
+    for step, rows in enumerate([4, 4, 4 + rank(), 4 + rank()]):
+        before = CountingCoordinator.gathers
+        state = {f"r{rank()}": torch.full((rows, 3), float(step)), "shared": torch.ones(5)}
+        bcp.save(f"{path}/{step}", {"model": state}, coordinator=coordinator)
+        counts.append(CountingCoordinator.gathers - before)
+        out = {f"r{rank()}": torch.zeros(rows, 3), "shared": torch.zeros(5)}
+        bcp.load(f"{path}/{step}", {"model": out}, strict=False)
+        assert torch.equal(out[f"r{rank()}"], state[f"r{rank()}"]) and torch.equal(out["shared"], torch.ones(5))
+    return counts
+
+
+def test_plan_cache_reuses_and_invalidates_on_any_rank_change(ranks, tmp_path):
+    counts = ranks(2).run(cache_case, str(tmp_path))
+    # uncached save: agree + plan + commit = 3 gathers; cached: agree + commit = 2
+    assert counts == [[3, 2, 3, 2]] * 2
+
+
+def split_case(path: str) -> list:
+    from bcp.planning import save_plan
+
+    original = save_plan.SPLIT_BYTES
+    save_plan.SPLIT_BYTES = 1 << 10  # make a 40 KiB replicated tensor "very large"
+    try:
+        save_module._plan_cache.clear()
+        big = torch.arange(10_000, dtype=torch.float32).reshape(100, 100)
+        bcp.save(path, {"model": {"big": big}})
+    finally:
+        save_plan.SPLIT_BYTES = original
+    out = {"big": torch.zeros(100, 100)}
+    bcp.load(path, {"model": out})
+    import glob
+    import json
+
+    manifest = json.load(open(glob.glob(f"{path}/gen-*/manifest.json")[0]))
+    writers = sorted({manifest["files"][s[2]][5:10] for s in manifest["tensors"]["model/big"]["shards"]})
+    return [torch.equal(out["big"], big), writers]
+
+
+def test_large_replicated_tensor_is_split_across_writers(ranks, tmp_path):
+    for equal, writers in ranks(2).run(split_case, str(tmp_path)):
+        assert equal and writers == ["00000", "00001"]
+
+
+def async_distributed_case(path: str) -> list:
+    model, optimizer = build("fsdp2", seed=1)
+    train(model, optimizer, range(2))
+    expected = full_state(model, optimizer)
+    first = bcp.save(path, {"model": model, "optimizer": optimizer}, async_save=True)
+    train(model, optimizer, range(2, 3))
+    second = bcp.save(path, {"model": model, "optimizer": optimizer}, async_save=True)
+    expected_second = full_state(model, optimizer)
+    train(model, optimizer, range(3, 4))
+    first.wait()
+    second.wait()
+    fresh, fresh_opt = build("fsdp2", seed=2)
+    bcp.load(path, {"model": fresh, "optimizer": fresh_opt})
+    loaded = full_state(fresh, fresh_opt)
+    return [second.generation, sorted(os.listdir(path)), loaded if rank() == 0 else None,
+            expected_second if rank() == 0 else None, expected if rank() == 0 else None]
+
+
+def test_async_fsdp2_saves_pipeline_and_commit_in_order(ranks, tmp_path):
+    generation, listing, loaded, expected_second, expected_first = ranks(2).run(async_distributed_case,
+                                                                                 str(tmp_path))[0]
+    assert generation == 2 and listing == ["gen-00000002"]
+    assert_bitwise(expected_second, loaded)
+    assert not all(torch.equal(expected_first[k], expected_second[k]) for k in expected_first)
+
+
+def async_failure_case(path: str) -> str:
+    from test_failures import FailingOnRank1
+
+    state = {"model": {"w": torch.ones(8), "v": torch.ones(8)}}  # two tensors: each rank writes one
+    handle = bcp.save(FailingOnRank1(path), state, async_save=True)
+    try:
+        handle.wait()
+    except bcp.CheckpointError as exc:
+        return type(exc).__name__ + ": " + str(exc)
+    return "committed"
+
+
+def test_async_failure_on_one_rank_raises_on_every_rank(ranks, tmp_path):
+    messages = ranks(2).run(async_failure_case, str(tmp_path))
+    assert all("No space left on device" in m for m in messages)
+    assert not any(os.path.exists(os.path.join(tmp_path, g, "COMMITTED")) for g in os.listdir(tmp_path))
