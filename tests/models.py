@@ -158,3 +158,18 @@ def assert_bitwise(expected: dict[str, torch.Tensor], actual: dict[str, torch.Te
         assert value.dtype == other.dtype and value.shape == other.shape, name
         assert torch.equal(value.view(-1).view(torch.uint8) if value.dim() else value.reshape(1).view(torch.uint8),
                            other.view(-1).view(torch.uint8) if other.dim() else other.reshape(1).view(torch.uint8)), name
+
+
+def read_manifest(path: Any) -> Any:
+    """The committed manifest at ``path`` (newest generation), parsed by bcp."""
+    from bcp.engine.location import Location
+    from bcp.storage import LocalStorage
+
+    location = Location(LocalStorage(path), "", str(path))
+    return location.read_manifest(location.latest_committed())
+
+
+def shard_files(path: Any, name: str) -> list[str]:
+    """The data files holding tensor ``name``'s shards."""
+    manifest = read_manifest(path)
+    return [manifest.files[s.bytes.file] for s in manifest.tensors[name].shards]

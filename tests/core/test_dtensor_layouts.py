@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import bcp
+from models import shard_files
 
 SHAPES = {"w": (5, 7), "v": (3,), "s": (), "cube": (2, 3, 9), "e": (0, 4)}
 DTYPES = {"w": torch.float32, "v": torch.bfloat16, "s": torch.int64, "cube": torch.float16, "e": torch.float32}
@@ -85,12 +86,7 @@ def replicated_writes(path: str) -> int:
     """Each rank's number of stored shards in a save of 4 replicated tensors (dedup spreads them)."""
     state = {f"t{i}": torch.full((256,), float(i)) for i in range(4)}
     bcp.save(path, {"model": state}, verify_replicas=True)
-    import json
-    import glob
-
-    manifest = json.load(open(glob.glob(f"{path}/gen-*/manifest.json")[0]))
-    return sum(1 for e in manifest["tensors"].values() for shard in e["shards"]
-               if manifest["files"][shard[2]].startswith(f"data/{dist.get_rank():05d}-"))
+    return sum(1 for i in range(4) for f in shard_files(path, f"model/t{i}") if f.startswith(f"data/{dist.get_rank():05d}-"))
 
 
 def test_replicated_tensors_are_written_once_and_spread(ranks, tmp_path):

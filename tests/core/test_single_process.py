@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from crc32c import crc32c
 from torch import nn
 
 import bcp
-from models import MLP, assert_bitwise, build, full_state, train
+from models import MLP, assert_bitwise, build, full_state, read_manifest, train
 
 
 def trained(seed: int = 1):
@@ -181,9 +182,9 @@ def test_strict_missing_and_unexpected_keys(tmp_path):
 
 def test_flipped_byte_is_detected_naming_file_and_tensor(tmp_path):
     bcp.save(tmp_path, {"model": {"w": torch.arange(1000.0), "v": torch.ones(10)}})
-    manifest = json.loads(open(next(tmp_path.glob("gen-*/manifest.json"))).read())
-    file_index, offset = manifest["tensors"]["model/w"]["shards"][0][2:4]
-    victim = tmp_path / "gen-00000001" / manifest["files"][file_index]
+    manifest = read_manifest(tmp_path)
+    stored = manifest.tensors["model/w"].shards[0].bytes
+    victim, offset = tmp_path / "gen-00000001" / manifest.files[stored.file], stored.offset
     raw = bytearray(victim.read_bytes())
     raw[offset + 17] ^= 0x01
     victim.write_bytes(bytes(raw))
@@ -213,14 +214,17 @@ def test_unknown_format_version_and_tampered_manifest(tmp_path):
     manifest_path.write_text(json.dumps(doc | {"generation": 5}))
     with pytest.raises(bcp.CorruptCheckpointError, match="commit marker"):
         bcp.load(tmp_path, {"model": {"w": torch.zeros(2)}})
-    from bcp.engine.location import Location
-    from bcp.storage import LocalStorage
-
-    future = json.dumps(doc | {"version": 99}).encode()
-    location = Location(LocalStorage(tmp_path / "v99"), "", str(tmp_path / "v99"))
-    location.commit(1, future)
+    # A checkpoint from a future bcp: valid marker, manifest of version 99.
+    future = tmp_path / "v99"
+    bcp.save(future, {"model": {"w": torch.ones(2)}})
+    manifest_path = future / "gen-00000001" / "manifest.json"
+    data = json.dumps(json.loads(manifest_path.read_text()) | {"version": 99}).encode()
+    manifest_path.write_bytes(data)
+    marker_path = future / "gen-00000001" / "COMMITTED"
+    marker = json.loads(marker_path.read_text()) | {"manifest_bytes": len(data), "manifest_crc32c": crc32c(data)}
+    marker_path.write_text(json.dumps(marker))
     with pytest.raises(bcp.FormatVersionError, match="version 99"):
-        bcp.load(tmp_path / "v99", {"model": {"w": torch.zeros(2)}})
+        bcp.load(future, {"model": {"w": torch.zeros(2)}})
 
 
 def test_framework_forced_must_match_and_unknown_names_fail(tmp_path):

@@ -48,8 +48,8 @@ def load(
 
     with stats.phase("metadata"):
         found = Outcome.of(lambda: _read_manifest(location)) if coord.rank == 0 else Outcome()
-        generation, data = broadcast_from_root(coord, found, f"opening {location.display}")
-        manifest = Manifest.from_json(data, path=location.display)
+        generation, data, table = broadcast_from_root(coord, found, f"opening {location.display}")
+        manifest = Manifest.decode(data, table, path=location.display)
 
     result = LoadResult(location.display, generation, manifest.world_size, manifest.framework, stats=stats)
     adapter = adapter_for(state, framework) if any(k in state for k in RESHARDED) else None
@@ -66,8 +66,7 @@ def load(
 
 def _read_manifest(location: Location) -> list[Any]:
     generation = location.latest_committed()
-    data, _ = location.read_manifest(generation)
-    return [generation, data]
+    return [generation, *location.read_manifest_files(generation)]
 
 
 def _read(state: dict[str, Any], adapter: Any, manifest: Manifest, reader: ShardReader, result: LoadResult,

@@ -163,7 +163,7 @@ def _write_and_commit(coord: Coordinator, location: Location, generation: int, w
         manifest = build_manifest(generation=generation, framework=framework,
                                   checksum_chunk=DEFAULT_CHECKSUM_CHUNK, writer=f"bcp {__version__}",
                                   local_plans=plan.local_plans, writes=all_writes)
-        location.commit(generation, manifest.to_json())
+        location.commit(generation, manifest)
         location.remove_older_than(generation)
         return [None] * coord.world_size
 

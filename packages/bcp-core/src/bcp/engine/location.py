@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from bcp.engine.checksum import crc_of
 from bcp.errors import CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError
-from bcp.layout.manifest import FORMAT_NAME, FORMAT_VERSION, Manifest
+from bcp.layout.manifest import FORMAT_NAME, FORMAT_VERSION, SHARD_TABLE, Manifest
 from bcp.storage.base import Storage
 
 MANIFEST = "manifest.json"
@@ -69,8 +69,10 @@ class Location:
             raise CheckpointNotFoundError("no such checkpoint path", path=self.display)
         raise CheckpointNotFoundError("not a bcp checkpoint (no gen-* folders)", path=self.display)
 
-    def commit(self, generation: int, manifest_bytes: bytes) -> None:
-        """Write the manifest, then the marker that makes the generation visible."""
+    def commit(self, generation: int, manifest: Manifest) -> None:
+        """Write the shard table and the manifest, then the marker that makes the generation visible."""
+        manifest_bytes, table_bytes = manifest.encode()
+        self.storage.write_file(self.name(generation, SHARD_TABLE), [memoryview(table_bytes)])
         self.storage.write_file(self.name(generation, MANIFEST), [memoryview(manifest_bytes)])
         marker = {
             "format": FORMAT_NAME, "version": FORMAT_VERSION, "generation": generation,
@@ -80,12 +82,14 @@ class Location:
             raise CheckpointNotCommittedError(
                 f"generation {generation} was committed by another writer", path=self.display)
 
-    def read_manifest(self, generation: int) -> tuple[bytes, Manifest]:
-        """The committed manifest's bytes, checked against the marker, and the parsed manifest."""
+    def read_manifest_files(self, generation: int) -> tuple[bytes, bytes]:
+        """The committed manifest's bytes (checked against the marker) and its shard table's bytes
+        (checked when the manifest is parsed)."""
         where = f"{self.display}/{generation_dir(generation)}"
         try:
             marker = json.loads(self.storage.read_bytes(self.name(generation, COMMIT_MARKER)))
             data = self.storage.read_bytes(self.name(generation, MANIFEST))
+            table = self.storage.read_bytes(self.name(generation, SHARD_TABLE))
         except FileNotFoundError as exc:
             raise CheckpointNotCommittedError(f"generation is missing {exc.filename or exc}", path=where) from None
         except ValueError:
@@ -94,7 +98,11 @@ class Location:
             raise CorruptCheckpointError("commit marker is not a bcp marker", path=where)
         if marker.get("manifest_bytes") != len(data) or marker.get("manifest_crc32c") != crc_of(memoryview(data)):
             raise CorruptCheckpointError("manifest does not match the checksum in the commit marker", path=where)
-        return data, Manifest.from_json(data, path=where)
+        return data, table
+
+    def read_manifest(self, generation: int) -> Manifest:
+        data, table = self.read_manifest_files(generation)
+        return Manifest.decode(data, table, path=f"{self.display}/{generation_dir(generation)}")
 
     def remove_older_than(self, generation: int) -> None:
         for older in self.generations():

@@ -12,43 +12,56 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+from crc32c import crc32c
+
 from bcp.errors import CorruptCheckpointError, FormatVersionError
-from bcp.layout.box import Box
-from bcp.layout.dtypes import dtype_from_name
+from bcp.layout.dtypes import dtype_from_name, itemsize
+from bcp.layout.shard_table import ByteRange, ShardEntry, ShardTable
 
 FORMAT_NAME = "bcp"
+SHARD_TABLE = "shard_table.bin"
 FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 CHECKSUM_ALGORITHM = "crc32c"
 DEFAULT_CHECKSUM_CHUNK = 4 << 20
 
 
-@dataclass(frozen=True, slots=True)
-class ByteRange:
-    """Where bytes lie: ``files[file]`` from ``offset``, ``nbytes`` long, with one crc32c per chunk."""
-
-    file: int
-    offset: int
-    nbytes: int
-    crcs: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ShardEntry:
-    box: Box
-    bytes: ByteRange
-
-
-@dataclass(slots=True)
 class TensorEntry:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    shards: list[ShardEntry] = field(default_factory=list)
+    """A tensor of the checkpoint: dtype, global shape and its stored shards. Shards loaded from a
+    checkpoint stay in the shard table until a caller first asks for them."""
+
+    __slots__ = ("name", "dtype", "shape", "_shards", "_table", "_first", "_count")
+
+    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], shards: list[ShardEntry] | None = None) -> None:
+        self.name, self.dtype, self.shape = name, dtype, tuple(shape)
+        self._shards = shards if shards is not None else []
+        self._table: ShardTable | None = None
+        self._first = self._count = 0
+
+    @staticmethod
+    def from_table(name: str, dtype: str, shape: tuple[int, ...], table: ShardTable, first: int,
+                   count: int) -> "TensorEntry":
+        entry = TensorEntry(name, dtype, shape)
+        entry._shards, entry._table, entry._first, entry._count = None, table, first, count
+        return entry
+
+    @property
+    def shards(self) -> list[ShardEntry]:
+        if self._shards is None:
+            self._shards = self._table.rows(self._first, self._count, len(self.shape))
+        return self._shards
+
+    @property
+    def shard_count(self) -> int:
+        return len(self._shards) if self._shards is not None else self._count
 
     @property
     def component(self) -> str:
         return component_of(self.name)
+
+    def _table_range(self) -> tuple[ShardTable, int, int] | None:
+        return (self._table, self._first, self._count) if self._shards is None else None
 
 
 @dataclass(slots=True)
@@ -86,7 +99,11 @@ class Manifest:
     def total_tensor_bytes(self) -> int:
         return sum(s.bytes.nbytes for e in self.tensors.values() for s in e.shards)
 
-    def to_json(self) -> bytes:
+    def encode(self) -> tuple[bytes, bytes]:
+        """The manifest JSON and the shard table bytes (the JSON records the table's checksum)."""
+        names = list(self.tensors)
+        table, ranges = self._table(names)
+        table_bytes = table.encode()
         doc = {
             "format": FORMAT_NAME,
             "version": self.version,
@@ -98,16 +115,10 @@ class Manifest:
             "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": self.checksum_chunk},
             "unsafe_pickle": self.unsafe_pickle,
             "files": self.files,
+            "shard_table": {"name": SHARD_TABLE, "count": table.count, "ndim": table.ndim,
+                            "nbytes": len(table_bytes), "crc32c": crc32c(table_bytes)},
             "tensors": {
-                name: {
-                    "dtype": e.dtype,
-                    "shape": list(e.shape),
-                    "shards": [
-                        [list(s.box.offsets), list(s.box.lengths), s.bytes.file, s.bytes.offset,
-                         s.bytes.nbytes, list(s.bytes.crcs)]
-                        for s in e.shards
-                    ],
-                }
+                name: {"dtype": e.dtype, "shape": list(e.shape), "shards": list(ranges[name])}
                 for name, e in self.tensors.items()
             },
             "objects": {
@@ -118,11 +129,28 @@ class Manifest:
                 for name, e in self.objects.items()
             },
         }
-        return json.dumps(doc, separators=(",", ":")).encode()
+        return json.dumps(doc, separators=(",", ":")).encode(), table_bytes
+
+    def _table(self, names: list[str]) -> tuple[ShardTable, dict[str, tuple[int, int]]]:
+        """One table for all tensors: the shared table as it is when every entry is still an
+        untouched, in-order range of it (a manifest assembled by the coordinator), else a new one."""
+        ranges = [self.tensors[n]._table_range() for n in names]
+        if ranges and all(r is not None and r[0] is ranges[0][0] for r in ranges):
+            position, tiled = 0, True
+            for _, first, count in ranges:
+                tiled &= first == position
+                position += count
+            if tiled and position == ranges[0][0].count:
+                return ranges[0][0], {n: (r[1], r[2]) for n, r in zip(names, ranges)}
+        ndim = max((len(self.tensors[n].shape) for n in names), default=0)
+        groups = [self.tensors[n].shards for n in names]
+        starts = np.concatenate([[0], np.cumsum([len(g) for g in groups])]).tolist()
+        return ShardTable.from_entries(groups, ndim), {n: (starts[i], len(groups[i])) for i, n in enumerate(names)}
 
     @staticmethod
-    def from_json(data: bytes, *, path: str | None = None) -> "Manifest":
-        return _ManifestParser(path).parse(data)
+    def decode(data: bytes, table: bytes, *, path: str | None = None) -> "Manifest":
+        """Parse and validate a manifest and its shard table (as read from storage)."""
+        return _ManifestParser(path).parse(data, table)
 
 
 def component_of(name: str) -> str:
@@ -130,7 +158,8 @@ def component_of(name: str) -> str:
 
 
 class _ManifestParser:
-    """Reads a manifest defensively: every field is type-checked before use."""
+    """Reads a manifest defensively: every field is type-checked before use, and the shard table
+    is validated with array operations (millions of rows in well under a second)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -138,7 +167,7 @@ class _ManifestParser:
     def fail(self, what: str, key: str | None = None) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"invalid manifest: {what}", path=self.path, key=key)
 
-    def parse(self, data: bytes) -> Manifest:
+    def parse(self, data: bytes, table_bytes: bytes) -> Manifest:
         try:
             doc = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -159,41 +188,78 @@ class _ManifestParser:
         if not isinstance(files, list) or not all(isinstance(f, str) and _safe_relpath(f) for f in files):
             raise self.fail("'files' must be a list of relative paths inside the checkpoint")
         self.nfiles = len(files)
+        self.chunk = self.int_of(checksum, "chunk_bytes", minimum=1)
         world_size = self.int_of(doc, "world_size", minimum=1)
+        table = self.table(self.dict_of(doc, "shard_table"), table_bytes)
         return Manifest(
             version=version,
             generation=self.int_of(doc, "generation", minimum=0),
             world_size=world_size,
             framework=self.str_of(doc, "framework"),
             files=files,
-            tensors={n: self.tensor(n, e) for n, e in self.dict_of(doc, "tensors").items()},
+            tensors=self.tensors(self.dict_of(doc, "tensors"), table),
             objects={n: self.object(n, e, world_size) for n, e in self.dict_of(doc, "objects").items()},
-            checksum_chunk=self.int_of(checksum, "chunk_bytes", minimum=1),
+            checksum_chunk=self.chunk,
             unsafe_pickle=bool(doc.get("unsafe_pickle", False)),
             created_unix=float(doc.get("created_unix", 0.0)),
             writer=str(doc.get("writer", "")),
         )
 
-    def tensor(self, name: str, entry: Any) -> TensorEntry:
-        if not isinstance(entry, dict):
-            raise self.fail("tensor entry is not an object", name)
+    def table(self, spec: dict, data: bytes) -> ShardTable:
+        count, ndim = self.int_of(spec, "count", minimum=0), self.int_of(spec, "ndim", minimum=0)
+        if spec.get("nbytes") != len(data) or spec.get("crc32c") != crc32c(data):
+            raise self.fail("the shard table does not match its size and checksum in the manifest")
         try:
-            dtype_from_name(entry.get("dtype"))
-        except (KeyError, TypeError):
-            raise self.fail(f"unknown dtype {entry.get('dtype')!r}", name) from None
-        shape = self.ints(entry.get("shape"), name, "shape")
-        shards = entry.get("shards")
-        if not isinstance(shards, list):
-            raise self.fail("'shards' is not a list", name)
-        parsed = []
-        for row in shards:
-            if not isinstance(row, list) or len(row) != 6:
-                raise self.fail("malformed shard row", name)
-            box = Box(self.ints(row[0], name, "offsets"), self.ints(row[1], name, "lengths"))
-            if not box.within(shape):
-                raise self.fail(f"shard {box} lies outside the global shape {shape}", name)
-            parsed.append(ShardEntry(box, self.byte_range(row[2], row[3], row[4], row[5], name)))
-        return TensorEntry(name, entry["dtype"], shape, parsed)
+            table = ShardTable.decode(data, count, ndim)
+        except ValueError as exc:
+            raise self.fail(str(exc)) from None
+        first = table.crc_first
+        if (first[0] != 0 or first[-1] != len(table.crcs) or np.any(np.diff(first) < 0)
+                or np.any(table.file < 0) or np.any(table.file >= self.nfiles)
+                or np.any(table.offset < 0) or np.any(table.nbytes < 0)):
+            raise self.fail("shard table rows hold out-of-range files, offsets or checksum indices")
+        if np.any(np.diff(first) != np.maximum(1, -(-table.nbytes // self.chunk))):
+            raise self.fail("a shard's checksum count does not match its size")
+        return table
+
+    def tensors(self, entries: dict, table: ShardTable) -> dict[str, TensorEntry]:
+        """Tensor entries over the table, checked together: their row ranges tile the table in
+        order, boxes lie inside their tensor's shape, and each shard's size is its box in its dtype."""
+        out: dict[str, TensorEntry] = {}
+        rows_shape = np.ones((table.count, table.ndim), dtype=np.int64)
+        rows_ndim = np.zeros(table.count, dtype=np.int64)
+        rows_itemsize = np.zeros(table.count, dtype=np.int64)
+        position = 0
+        for name, entry in entries.items():
+            if not isinstance(entry, dict):
+                raise self.fail("tensor entry is not an object", name)
+            try:
+                size = itemsize(dtype_from_name(entry.get("dtype")))
+            except (KeyError, TypeError):
+                raise self.fail(f"unknown dtype {entry.get('dtype')!r}", name) from None
+            shape = self.ints(entry.get("shape"), name, "shape")
+            rows = self.ints(entry.get("shards"), name, "shards")
+            if len(rows) != 2 or rows[0] != position or position + rows[1] > table.count \
+                    or (rows[1] and len(shape) > table.ndim):
+                raise self.fail("tensor shard ranges must tile the shard table in order", name)
+            first, count = rows
+            rows_shape[first:first + count, :len(shape)] = shape
+            rows_ndim[first:first + count] = len(shape)
+            rows_itemsize[first:first + count] = size
+            position += count
+            out[name] = TensorEntry.from_table(name, entry["dtype"], shape, table, first, count)
+        if position != table.count:
+            raise self.fail("tensor shard ranges must tile the shard table in order")
+        padding = np.arange(table.ndim)[None, :] >= rows_ndim[:, None]
+        outside = np.any((table.offsets < 0) | (table.lengths < 0) | (table.offsets + table.lengths > rows_shape)
+                         | (padding & ((table.offsets != 0) | (table.lengths != 1))), axis=1)
+        if np.any(outside):
+            row = int(np.argmax(outside))
+            owner = next(n for n, e in out.items() if e._first <= row < e._first + e._count)
+            raise self.fail("a shard box lies outside its tensor's global shape", owner)
+        if np.any(np.prod(table.lengths, axis=1) * rows_itemsize != table.nbytes):
+            raise self.fail("a shard's byte length does not match its box and dtype")
+        return out
 
     def object(self, name: str, entry: Any, world_size: int) -> ObjectEntry:
         if not isinstance(entry, dict):
