@@ -7,6 +7,7 @@ from typing import Any
 
 from bcp.layout.box import Box
 from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry, ShardEntry, TensorEntry
+from bcp.planning.save_plan import plan_pieces
 
 
 def build_manifest(*, generation: int, framework: str, checksum_chunk: int, writer: str,
@@ -20,18 +21,21 @@ def build_manifest(*, generation: int, framework: str, checksum_chunk: int, writ
         files.extend(rank_files)
 
     tensors: dict[str, TensorEntry] = {}
-    for declared, _ in local_plans:
-        for name, dtype, shape in declared:
+    for plan in local_plans:
+        for name, dtype, shape in plan[0]:
             if name not in tensors:
                 tensors[name] = TensorEntry(name, dtype, tuple(shape))
     per_rank: dict[str, dict[int, tuple[ByteRange, int]]] = {}
     for rank, (_, piece_writes, object_writes, _) in enumerate(writes):
-        declared, rows = local_plans[rank]
+        declared = local_plans[rank][0]
+        tensor, offsets, lengths = plan_pieces(local_plans[rank])
         for spec, file, offset, nbytes, crcs in piece_writes:
-            row = rows[spec if isinstance(spec, int) else spec[0]]
-            box = Box(tuple(row[1]), tuple(row[2])) if isinstance(spec, int) else Box(tuple(spec[1]), tuple(spec[2]))
+            index = spec if isinstance(spec, int) else spec[0]
+            ndim = len(declared[tensor[index]][2])
+            box = (Box(tuple(offsets[index, :ndim].tolist()), tuple(lengths[index, :ndim].tolist()))
+                   if isinstance(spec, int) else Box(tuple(spec[1]), tuple(spec[2])))
             where = ByteRange(file_base[rank] + file, offset, nbytes, tuple(crcs))
-            tensors[declared[row[0]][0]].shards.append(ShardEntry(box, where))
+            tensors[declared[tensor[index]][0]].shards.append(ShardEntry(box, where))
         for name, file, offset, nbytes, tree, crcs in object_writes:
             where = ByteRange(file_base[rank] + file, offset, nbytes, tuple(crcs))
             per_rank.setdefault(name, {})[rank] = (where, tree)

@@ -4,47 +4,61 @@ Replicated data is written once: identical boxes of a tensor on several ranks ar
 each is given to the replica-holding rank with the fewest bytes so far, largest first (worst-fit,
 paper section 4.1); a very large replicated box is cut along its first dimension so that several
 of its holders write a part each. The coordinator also checks that ranks agree on every tensor's
-dtype and global shape and that the pieces cover every tensor exactly. All of it is linear in the
-number of pieces, except the pairwise overlap check, which is bounded per tensor.
+dtype and global shape and that the pieces cover every tensor exactly.
+
+Pieces travel and are planned as integer columns (numpy), so planning is a few sorts and array
+passes over all pieces: linear-logarithmic in their number, with Python loops only over tensors
+and over boxes that several ranks hold.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import math
-from collections import defaultdict
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from bcp.errors import MismatchError
-from bcp.layout.box import Box
 from bcp.layout.dtypes import dtype_from_name, dtype_name, itemsize
 from bcp.planning.pieces import Piece
 
-# Coverage is proven by volume plus pairwise disjointness; beyond this many distinct boxes per
-# tensor the pairwise test is skipped (volume and bounds are still checked).
-PAIRWISE_OVERLAP_LIMIT = 256
+# Coverage is proven by volume plus pairwise disjointness; tensors with more distinct boxes than
+# this skip the pairwise test (volume and bounds are still checked, and a load re-checks that the
+# shards it reads cover each wanted box exactly once).
+PAIRWISE_OVERLAP_LIMIT = 64
 # A replicated box larger than this is split between the ranks that hold it.
 SPLIT_BYTES = 256 << 20
 
 
 def local_plan(tensors: list[tuple[str, Any, tuple[int, ...]]], pieces: list[Piece],
                replica_crcs: list[int] | None) -> list[Any]:
-    """This rank's plan as plain data: ``[tensor rows, piece rows]``.
+    """This rank's plan as plain data: ``[tensor rows, ndim, tensor index, offsets, lengths, crcs]``.
 
     Tensor rows ``[name, dtype, global shape]`` declare every tensor this rank has, pieces or not
-    (an empty shard still names its tensor); piece rows ``[tensor row, offsets, lengths(, crc)]``
-    refer to them, the crc of the piece's bytes only for the replica check."""
+    (an empty shard still names its tensor). Pieces are columns packed as bytes: the index of their
+    tensor row (int64), box offsets and lengths (int64, ``ndim`` columns, padded with 0 and 1) and,
+    for the replica check only, the crc32c of their bytes (uint32)."""
     index = {name: i for i, (name, _, _) in enumerate(tensors)}
-    rows = []
+    ndim = max([len(p.box.offsets) for p in pieces], default=0)
+    offsets = np.zeros((len(pieces), ndim), dtype=np.int64)
+    lengths = np.ones((len(pieces), ndim), dtype=np.int64)
     for i, p in enumerate(pieces):
-        row = [index[p.name], list(p.box.offsets), list(p.box.lengths)]
-        if replica_crcs is not None:
-            row.append(replica_crcs[i])
-        rows.append(row)
-    return [[[n, dtype_name(d), list(s)] for n, d, s in tensors], rows]
+        offsets[i, :p.box.ndim] = p.box.offsets
+        lengths[i, :p.box.ndim] = p.box.lengths
+    tensor = np.array([index[p.name] for p in pieces], dtype=np.int64)
+    crcs = np.array(replica_crcs, dtype=np.uint32).tobytes() if replica_crcs is not None else None
+    return [[[n, dtype_name(d), list(s)] for n, d, s in tensors], ndim, tensor.tobytes(), offsets.tobytes(),
+            lengths.tobytes(), crcs]
+
+
+def plan_pieces(plan: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A local plan's piece columns: tensor row index, offsets and lengths."""
+    _, ndim, tensor, offsets, lengths, _ = plan
+    tensor = np.frombuffer(tensor, dtype=np.int64)
+    return (tensor, np.frombuffer(offsets, dtype=np.int64).reshape(len(tensor), ndim),
+            np.frombuffer(lengths, dtype=np.int64).reshape(len(tensor), ndim))
 
 
 def plan_digest(plan: list[Any]) -> bytes:
@@ -52,46 +66,133 @@ def plan_digest(plan: list[Any]) -> bytes:
     return hashlib.blake2b(msgpack.packb(plan), digest_size=16).digest()
 
 
+@functools.lru_cache(maxsize=None)
+def itemsize_of(name: str) -> int:
+    return itemsize(dtype_from_name(name))
+
+
+class _Pieces:
+    """Every rank's pieces as one set of columns, tensors numbered globally."""
+
+    def __init__(self, local_plans: list[list[Any]]) -> None:
+        self.names: list[str] = []
+        self.dtypes: list[str] = []
+        self.shapes: list[tuple[int, ...]] = []
+        ids: dict[str, int] = {}
+        first_rank: list[int] = []
+        tensor, offsets, lengths, rank, local, crcs = [], [], [], [], [], []
+        self.ndim = max([plan[1] for plan in local_plans], default=0)
+        for r, plan in enumerate(local_plans):
+            declared = plan[0]
+            to_global = np.empty(len(declared), dtype=np.int64)
+            for i, (name, dtype, shape) in enumerate(declared):
+                gid = ids.get(name)
+                if gid is None:
+                    gid = ids[name] = len(self.names)
+                    self.names.append(name)
+                    self.dtypes.append(dtype)
+                    self.shapes.append(tuple(shape))
+                    first_rank.append(r)
+                elif (self.dtypes[gid], self.shapes[gid]) != (dtype, tuple(shape)):
+                    raise MismatchError(
+                        f"ranks disagree on the tensor: rank {first_rank[gid]} has {self.dtypes[gid]} "
+                        f"{list(self.shapes[gid])}, rank {r} has {dtype} {list(shape)}", key=name)
+                to_global[i] = gid
+            t, o, n = plan_pieces(plan)
+            tensor.append(to_global[t])
+            offsets.append(_pad(o, self.ndim, 0))
+            lengths.append(_pad(n, self.ndim, 1))
+            rank.append(np.full(len(t), r, dtype=np.int64))
+            local.append(np.arange(len(t), dtype=np.int64))
+            if plan[5] is not None:
+                crcs.append(np.frombuffer(plan[5], dtype=np.uint32))
+        empty = np.zeros(0, dtype=np.int64)
+        self.tensor = np.concatenate(tensor) if tensor else empty
+        self.offsets = np.concatenate(offsets) if offsets else empty.reshape(0, self.ndim)
+        self.lengths = np.concatenate(lengths) if lengths else empty.reshape(0, self.ndim)
+        self.rank = np.concatenate(rank) if rank else empty
+        self.local = np.concatenate(local) if local else empty
+        self.crcs = np.concatenate(crcs) if len(crcs) == len(local_plans) and crcs else None
+        self.itemsize = np.array([itemsize_of(d) for d in self.dtypes], dtype=np.int64)
+        self.shape_rows = np.ones((len(self.names), self.ndim), dtype=np.int64)
+        for gid, shape in enumerate(self.shapes):
+            self.shape_rows[gid, :len(shape)] = shape
+
+
+def _pad(columns: np.ndarray, ndim: int, fill: int) -> np.ndarray:
+    if columns.shape[1] == ndim:
+        return columns
+    out = np.full((columns.shape[0], ndim), fill, dtype=np.int64)
+    out[:, :columns.shape[1]] = columns
+    return out
+
+
 def global_plan(local_plans: list[list[Any]], split_bytes: int | None = None) -> list[list[Any]]:
     """For each rank, the pieces it writes: a piece index, or ``[index, offsets, lengths]`` for the
     part of a split replicated piece (boxes over ``split_bytes``, default ``SPLIT_BYTES``)."""
     split_bytes = split_bytes or SPLIT_BYTES
-    tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
-    replicas: dict[tuple[str, tuple, tuple], list[tuple[int, int]]] = defaultdict(list)
-    crcs: dict[tuple[str, tuple, tuple], dict[int, int]] = defaultdict(dict)
-    for rank, (declared, rows) in enumerate(local_plans):
-        for name, dtype, shape in declared:
-            seen = tensors.setdefault(name, (dtype, tuple(shape), rank))
-            if seen[:2] != (dtype, tuple(shape)):
-                raise MismatchError(
-                    f"ranks disagree on the tensor: rank {seen[2]} has {seen[0]} {list(seen[1])}, "
-                    f"rank {rank} has {dtype} {list(shape)}", key=name)
-        for index, row in enumerate(rows):
-            key = (declared[row[0]][0], tuple(row[1]), tuple(row[2]))
-            replicas[key].append((rank, index))
-            if len(row) > 3:
-                crcs[key][rank] = row[3]
+    p = _Pieces(local_plans)
+    keys = np.concatenate([p.tensor[:, None], p.offsets, p.lengths], axis=1)
+    distinct, first, inverse = _unique_rows(keys)
+    counts = np.bincount(inverse, minlength=len(distinct))
+    gid = distinct[:, 0]
+    offsets, lengths = distinct[:, 1:1 + p.ndim], distinct[:, 1 + p.ndim:]
+    nbytes = np.prod(lengths, axis=1) * p.itemsize[gid]
 
-    _check_replicas_agree(crcs)
-    _check_coverage(tensors, replicas)
+    if p.crcs is not None:
+        _check_replicas_agree(p, first, inverse)
+    _check_coverage(p, gid, offsets, lengths)
 
-    load = [0] * len(local_plans)
-    writes: list[list[Any]] = [[] for _ in local_plans]
-    sized = sorted(((math.prod(k[2]) * itemsize_of(tensors[k[0]][0]), k, h) for k, h in replicas.items()),
-                   key=lambda item: -item[0])
-    for nbytes, (_, offsets, lengths), holders in sized:
-        parts = min(len(holders), -(-nbytes // split_bytes), lengths[0] if lengths else 1)
+    world = len(local_plans)
+    load = np.zeros(world, dtype=np.int64)
+    writes: list[list[Any]] = [[] for _ in range(world)]
+    single = counts == 1
+    single_rows = first[single]
+    np.add.at(load, p.rank[single_rows], nbytes[single])
+    for r, index in zip(p.rank[single_rows].tolist(), p.local[single_rows].tolist()):
+        writes[r].append(index)
+
+    # Boxes held by several ranks: largest first, each to its least loaded holder.
+    by_box = np.argsort(inverse, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    for box in np.flatnonzero(~single)[np.argsort(-nbytes[~single], kind="stable")].tolist():
+        rows = by_box[starts[box]:starts[box + 1]]
+        holders = p.rank[rows]
+        size = int(nbytes[box])
+        rows_dim0 = int(lengths[box, 0]) if p.shapes[gid[box]] else 1
+        parts = min(len(rows), -(-size // split_bytes), rows_dim0)
         if parts <= 1:
-            rank, index = min(holders, key=lambda h: load[h[0]])
-            load[rank] += nbytes
-            writes[rank].append(index)
+            pick = int(np.argmin(load[holders]))
+            load[holders[pick]] += size
+            writes[int(holders[pick])].append(int(p.local[rows[pick]]))
             continue
-        chosen = sorted(holders, key=lambda h: load[h[0]])[:parts]
-        for (rank, index), (start, count) in zip(chosen, _split_rows(lengths[0], parts)):
-            sub = [offsets[0] + start, *offsets[1:]], [count, *lengths[1:]]
-            load[rank] += nbytes * count // lengths[0]
-            writes[rank].append([index, *sub])
+        ndim = len(p.shapes[gid[box]])
+        chosen = np.argsort(load[holders], kind="stable")[:parts]
+        for pick, (start, count) in zip(chosen.tolist(), _split_rows(rows_dim0, parts)):
+            sub_offsets = offsets[box, :ndim].tolist()
+            sub_lengths = lengths[box, :ndim].tolist()
+            sub_offsets[0] += start
+            sub_lengths[0] = count
+            load[holders[pick]] += size * count // rows_dim0
+            writes[int(holders[pick])].append([int(p.local[rows[pick]]), sub_offsets, sub_lengths])
     return writes
+
+
+def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct rows, the index of each one's first occurrence, and each row's distinct index.
+    Rows are grouped by a 64-bit hash (one fast sort); a collision, checked for, falls back to an
+    exact row sort."""
+    if len(keys) == 0:
+        return keys, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    mix = np.arange(1, keys.shape[1] + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) | np.uint64(1)
+    with np.errstate(over="ignore"):
+        hashed = keys.astype(np.uint64) * mix
+        hashed ^= hashed >> np.uint64(29)
+        hashed = np.bitwise_xor.reduce(hashed * np.uint64(0xBF58476D1CE4E5B9), axis=1)
+    _, first, inverse = np.unique(hashed, return_index=True, return_inverse=True)
+    if not np.array_equal(keys[first[inverse]], keys):
+        _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    return keys[first], first, inverse.reshape(-1)
 
 
 def _split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -104,33 +205,52 @@ def _split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-@functools.lru_cache(maxsize=None)
-def itemsize_of(name: str) -> int:
-    return itemsize(dtype_from_name(name))
+def _check_replicas_agree(p: _Pieces, first: np.ndarray, inverse: np.ndarray) -> None:
+    differs = p.crcs != p.crcs[first[inverse]]
+    if np.any(differs):
+        row = int(np.flatnonzero(differs)[0])
+        box = first[inverse[row]]
+        ndim = len(p.shapes[p.tensor[row]])
+        raise MismatchError(
+            f"replicas of box offsets={p.offsets[row, :ndim].tolist()} lengths={p.lengths[row, :ndim].tolist()} "
+            f"differ between ranks {int(p.rank[box])} and {int(p.rank[row])}", key=p.names[p.tensor[row]])
 
 
-def _check_replicas_agree(crcs: dict[tuple, dict[int, int]]) -> None:
-    for (name, offsets, lengths), by_rank in crcs.items():
-        if len(set(by_rank.values())) > 1:
+def _check_coverage(p: _Pieces, gid: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+    outside = np.any((offsets < 0) | (offsets + lengths > p.shape_rows[gid]), axis=1)
+    if np.any(outside):
+        row = int(np.flatnonzero(outside)[0])
+        raise MismatchError(f"a piece lies outside the global shape {list(p.shapes[gid[row]])}",
+                            key=p.names[gid[row]])
+    covered = np.zeros(len(p.names), dtype=np.int64)
+    np.add.at(covered, gid, np.prod(lengths, axis=1))
+    total = np.prod(p.shape_rows, axis=1)
+    wrong = np.flatnonzero(covered != total)
+    if len(wrong):
+        t = int(wrong[0])
+        raise MismatchError(
+            f"the ranks' pieces cover {int(covered[t])} of the tensor's {int(total[t])} elements "
+            f"(global shape {list(p.shapes[t])}); every element must be held by some rank", key=p.names[t])
+    _check_disjoint(p, gid, offsets, lengths)
+
+
+def _check_disjoint(p: _Pieces, gid: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+    """No two distinct boxes of a tensor overlap (tensors with at most PAIRWISE_OVERLAP_LIMIT boxes),
+    checked for all pairs at once, grouped by box count."""
+    order = np.argsort(gid, kind="stable")
+    per_tensor = np.bincount(gid, minlength=len(p.names))
+    starts = np.concatenate([[0], np.cumsum(per_tensor)])[:-1]
+    ends = offsets + lengths
+    for k in np.unique(per_tensor).tolist():
+        if k < 2 or k > PAIRWISE_OVERLAP_LIMIT:
+            continue
+        i, j = np.triu_indices(k, 1)
+        base = starts[per_tensor == k][:, None]
+        a, b = order[(base + i).ravel()], order[(base + j).ravel()]
+        overlap = np.all(np.maximum(offsets[a], offsets[b]) < np.minimum(ends[a], ends[b]), axis=1)
+        if np.any(overlap):
+            x, y = a[np.argmax(overlap)], b[np.argmax(overlap)]
+            ndim = len(p.shapes[gid[x]])
             raise MismatchError(
-                f"replicas of box offsets={list(offsets)} lengths={list(lengths)} differ between ranks "
-                f"(checksums by rank: {by_rank})", key=name)
-
-
-def _check_coverage(tensors: dict[str, tuple], replicas: dict[tuple, list]) -> None:
-    boxes: dict[str, list[Box]] = defaultdict(list)
-    for name, offsets, lengths in replicas:
-        boxes[name].append(Box(offsets, lengths))
-    for name, (_, shape, _) in tensors.items():
-        found = boxes.get(name, [])
-        total = math.prod(shape)
-        covered = sum(b.numel for b in found)
-        if covered != total:
-            raise MismatchError(
-                f"the ranks' pieces cover {covered} of the tensor's {total} elements "
-                f"(global shape {list(shape)}); every element must be held by some rank", key=name)
-        if len(found) <= PAIRWISE_OVERLAP_LIMIT:
-            for i, a in enumerate(found):
-                for b in found[i + 1:]:
-                    if a.intersect(b) is not None:
-                        raise MismatchError(f"pieces {a} and {b} overlap without being replicas", key=name)
+                f"pieces at offsets {offsets[x, :ndim].tolist()} and {offsets[y, :ndim].tolist()} overlap "
+                "without being replicas", key=p.names[gid[x]])

@@ -1,0 +1,209 @@
+"""Planning at scale: the coordinator's work for a Llama-405B-shaped model on 8,960 ranks
+(TP8 x PP16 x DP70), from shapes only, in one process.
+
+Every rank's local plan is built as bcp builds it (parameters TP-sharded and replicated over DP;
+AdamW states and fp32 master weights cut into flat ranges over DP, as a distributed optimizer does,
+each range decomposed into boxes), packed with msgpack as it would cross the wire, then timed:
+unpack + global plan (dedup, worst-fit, coverage) + manifest assembly + manifest JSON, and the
+manifest's parse at load time. The same plans are then given to DCP's planner for comparison
+(``--dcp``), as DCP would receive them; and a manifest of a million shards is loaded.
+
+    .venv/bin/python benchmarks/planning_scale.py [--dp 70] [--dcp] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import msgpack
+import numpy as np
+
+from bcp.engine.commit import build_manifest
+from bcp.layout.box import flat_range_to_boxes
+from bcp.layout.manifest import Manifest
+from bcp.planning.save_plan import global_plan, plan_pieces
+
+LAYERS, HIDDEN, FFN, KV_HEADS, HEAD_DIM, VOCAB = 126, 16384, 53248, 8, 128, 128256
+
+
+def layer_params() -> list[tuple[str, tuple[int, int], int]]:
+    """(name, global shape, TP-sharded dim or -1) of one transformer layer."""
+    kv = KV_HEADS * HEAD_DIM
+    return [("attn.q", (HIDDEN, HIDDEN), 0), ("attn.k", (kv, HIDDEN), 0), ("attn.v", (kv, HIDDEN), 0),
+            ("attn.o", (HIDDEN, HIDDEN), 1), ("mlp.gate", (FFN, HIDDEN), 0), ("mlp.up", (FFN, HIDDEN), 0),
+            ("mlp.down", (HIDDEN, FFN), 1), ("norm1", (HIDDEN,), -1), ("norm2", (HIDDEN,), -1)]
+
+
+def stage_params(pp: int, stages: int) -> list[tuple[str, tuple[int, ...], int]]:
+    per = math.ceil(LAYERS / stages)
+    params = [(f"layers.{i}.{n}", s, d) for i in range(pp * per, min(LAYERS, (pp + 1) * per))
+              for n, s, d in layer_params()]
+    if pp == 0:
+        params.insert(0, ("embed", (VOCAB, HIDDEN), 0))
+    if pp == stages - 1:
+        params += [("final_norm", (HIDDEN,), -1), ("lm_head", (VOCAB, HIDDEN), 0)]
+    return params
+
+
+def tp_box(shape: tuple[int, ...], dim: int, tp: int, tps: int) -> tuple[list[int], list[int]]:
+    offsets, lengths = [0] * len(shape), list(shape)
+    if dim >= 0:
+        size = shape[dim] // tps
+        offsets[dim], lengths[dim] = tp * size, size
+    return offsets, lengths
+
+
+def local_plan(tp: int, tps: int, pp: int, pps: int, dp: int, dps: int) -> list:
+    """One rank's plan in bcp's wire form (``bcp.planning.save_plan.local_plan``)."""
+    declared, rows = [], []
+    params = stage_params(pp, pps)
+    for name, shape, dim in params:
+        offsets, lengths = tp_box(shape, dim, tp, tps)
+        rows.append([len(declared), offsets, lengths])
+        declared.append([f"model/{name}", "bfloat16", list(shape)])
+    # Distributed optimizer: this TP-PP rank's shards, flattened and concatenated, cut over DP.
+    local_numels = [math.prod(tp_box(s, d, tp, tps)[1]) for _, s, d in params]
+    total = sum(local_numels)
+    start, end = total * dp // dps, total * (dp + 1) // dps
+    position = 0
+    for (name, shape, dim), numel in zip(params, local_numels):
+        lo, hi = max(start, position), min(end, position + numel)
+        if lo < hi:
+            local_shape = tp_box(shape, dim, tp, tps)
+            for state in ("exp_avg", "exp_avg_sq", "fp32_param"):
+                index = len(declared)
+                declared.append([f"optimizer/state/{name}/{state}", "float32", list(shape)])
+                for box, _ in flat_range_to_boxes(local_shape[1], lo - position, hi - lo):
+                    rows.append([index, [o + b for o, b in zip(local_shape[0], box.offsets)], list(box.lengths)])
+        position += numel
+    tensor = np.array([r[0] for r in rows], dtype=np.int64)
+    offsets = np.array([r[1] + [0] * (2 - len(r[1])) for r in rows], dtype=np.int64)
+    lengths = np.array([r[2] + [1] * (2 - len(r[2])) for r in rows], dtype=np.int64)
+    return [declared, 2, tensor.tobytes(), offsets.tobytes(), lengths.tobytes(), None]
+
+
+def dcp_planning(plans: list) -> dict:
+    """DCP's coordinator on the same pieces: one WriteItem per piece, as DCP's local plans hold."""
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+    dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+    t0 = time.perf_counter()
+    dcp_plans = []
+    for plan in plans:
+        declared = plan[0]
+        tensor, offsets, lengths = plan_pieces(plan)
+        items = []
+        for t, o, n in zip(tensor.tolist(), offsets.tolist(), lengths.tolist()):
+            name, dtype, shape = declared[t]
+            ndim = len(shape)
+            items.append(WriteItem(
+                index=MetadataIndex(name, torch.Size(o[:ndim])), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(o[:ndim]), torch.Size(n[:ndim])),
+                                            properties=TensorProperties(dtype=dtypes[dtype]), size=torch.Size(shape))))
+        dcp_plans.append(SavePlan(items, planner_data={name: (name,) for name, _, _ in declared}))
+    built = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    DefaultSavePlanner().create_global_plan(dcp_plans)
+    return {"dcp_items": sum(len(p.items) for p in dcp_plans), "dcp_build_items_s": round(built, 1),
+            "dcp_global_plan_s": round(time.perf_counter() - t0, 2)}
+
+
+def parse_at(count: int) -> dict:
+    """Time to load (parse and validate) a manifest with ``count`` shards of 2-D tensors."""
+    from bcp.layout.manifest import TensorEntry
+    from bcp.layout.shard_table import ShardTable
+
+    per_tensor, chunk = 100, 4 << 20
+    tensors = count // per_tensor
+    rows = np.arange(tensors * per_tensor)
+    offsets = np.stack([rows % per_tensor, np.zeros_like(rows)], axis=1).astype(np.int64)
+    lengths = np.tile(np.array([[1, 1024]], dtype=np.int64), (len(rows), 1))
+    table = ShardTable(offsets, lengths, np.zeros(len(rows), dtype=np.int64), rows * 4096,
+                       np.full(len(rows), 4096, dtype=np.int64), np.arange(len(rows) + 1, dtype=np.int64),
+                       np.zeros(len(rows), dtype=np.uint32))
+    entries = {f"t{i}": TensorEntry.from_table(f"t{i}", "float32", (per_tensor, 1024), table, i * per_tensor,
+                                               per_tensor) for i in range(tensors)}
+    manifest = Manifest(generation=1, world_size=1, framework="plain", files=["data/00000-00.bin"],
+                        tensors=entries, objects={}, checksum_chunk=chunk)
+    data, table_bytes = manifest.encode()
+    t0 = time.perf_counter()
+    Manifest.decode(data, table_bytes)
+    return {"parse_shards": len(rows), "parse_mb": round((len(data) + len(table_bytes)) / 1e6, 1),
+            "parse_s": round(time.perf_counter() - t0, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--pp", type=int, default=16)
+    parser.add_argument("--dp", type=int, default=70)
+    parser.add_argument("--json", help="write the figures to this file")
+    parser.add_argument("--dcp", action="store_true", help="also time DCP's planner on the same pieces")
+    parser.add_argument("--manifest-shards", type=int, default=1_000_000,
+                        help="also time loading a manifest of this many shards")
+    args = parser.parse_args()
+    world = args.tp * args.pp * args.dp
+
+    t0 = time.perf_counter()
+    wire = [msgpack.packb(local_plan(r % args.tp, args.tp, (r // args.tp) % args.pp, args.pp,
+                                     r // (args.tp * args.pp), args.dp)) for r in range(world)]
+    built = time.perf_counter() - t0
+    pieces = sum(len(msgpack.unpackb(w)[2]) // 8 for w in wire)
+
+    t0 = time.perf_counter()
+    plans = [msgpack.unpackb(w) for w in wire]
+    unpacked = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    writes_plan = global_plan(plans)
+    planned = time.perf_counter() - t0
+
+    # Every rank reports where it wrote its share (synthetic byte locations), as after a save.
+    writes = []
+    chunk = 4 << 20
+    for rank, specs in enumerate(writes_plan):
+        declared = plans[rank][0]
+        tensor, _, lengths = plan_pieces(plans[rank])
+        rows, offset = [], 0
+        for spec in specs:
+            index = spec if isinstance(spec, int) else spec[0]
+            size = 2 if declared[tensor[index]][1] == "bfloat16" else 4
+            shape = lengths[index] if isinstance(spec, int) else spec[2]
+            nbytes = int(np.prod(shape)) * size
+            rows.append([spec, 0, offset, nbytes, [0] * max(1, -(-nbytes // chunk))])
+            offset += nbytes
+        writes.append([[f"data/{rank:05d}-00.bin"], rows, [], False])
+    t0 = time.perf_counter()
+    manifest = build_manifest(generation=1, framework="megatron", checksum_chunk=4 << 20, writer="bench",
+                              local_plans=plans, writes=writes)
+    data, table = manifest.encode()
+    assembled = time.perf_counter() - t0
+    shards = sum(len(e.shards) for e in manifest.tensors.values())
+    t0 = time.perf_counter()
+    Manifest.decode(data, table)
+    parsed = time.perf_counter() - t0
+
+    figures = {
+        "ranks": world, "local_pieces": pieces, "stored_shards": shards,
+        "plans_mb": round(sum(map(len, wire)) / 1e6, 1), "manifest_mb": round((len(data) + len(table)) / 1e6, 1),
+        "unpack_s": round(unpacked, 2), "global_plan_s": round(planned, 2),
+        "manifest_build_s": round(assembled, 2), "coordinator_total_s": round(unpacked + planned + assembled, 2),
+        "manifest_parse_s": round(parsed, 2), "simulate_s": round(built, 1),
+    }
+    if args.dcp:
+        figures.update(dcp_planning(plans))
+        figures["dcp_over_bcp"] = round(figures["dcp_global_plan_s"] / figures["coordinator_total_s"], 1)
+    figures.update(parse_at(args.manifest_shards))
+    print(json.dumps(figures, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f)
+
+
+if __name__ == "__main__":
+    main()
