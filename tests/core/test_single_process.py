@@ -266,3 +266,22 @@ def test_every_earlier_format_version_still_loads(version):
     for key, value in expected["model"].items():
         assert torch.equal(state["model"][key], value) and state["model"][key].dtype == value.dtype, key
     assert state["extra_state"] == expected["extra_state"]
+
+
+def test_large_shard_is_read_in_parts_and_each_part_verified(tmp_path, monkeypatch):
+    from bcp.engine import reader
+
+    monkeypatch.setattr(reader, "READ_PART_BYTES", 1)  # parts of one checksum chunk (4 MiB)
+    big = torch.arange(3_000_000, dtype=torch.float32)  # 12 MB: three parts
+    bcp.save(tmp_path, {"model": {"big": big}})
+    out = {"big": torch.zeros(3_000_000)}
+    assert bcp.load(tmp_path, {"model": out}).stats.bytes == 12_000_000
+    assert torch.equal(out["big"], big)
+    manifest = read_manifest(tmp_path)
+    stored = manifest.tensors["model/big"].shards[0].bytes
+    victim = tmp_path / "gen-00000001" / manifest.files[stored.file]
+    raw = bytearray(victim.read_bytes())
+    raw[stored.offset + 9_000_000] ^= 0xFF  # in the third part
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"at bytes \[8388608, 12000000\)"):
+        bcp.load(tmp_path, {"model": out})

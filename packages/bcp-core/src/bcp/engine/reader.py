@@ -3,8 +3,10 @@ it, through a scratch buffer where they do not, verifying the checksum of every 
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import torch
 
@@ -12,10 +14,14 @@ from bcp.engine.bytes_of import byte_view
 from bcp.engine.checksum import crc_of
 from bcp.engine.location import Location
 from bcp.errors import CorruptCheckpointError, StorageError
-from bcp.layout.box import contiguous_span, is_contiguous_in, row_major_strides
+from bcp.layout.box import Box, contiguous_span, is_contiguous_in, row_major_strides
 from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry
 from bcp.layout.values import decode_value
 from bcp.planning.load_plan import ReadOp
+
+
+# A direct read larger than this is split into parts read by several threads.
+READ_PART_BYTES = 64 << 20
 
 
 class ShardReader:
@@ -28,35 +34,45 @@ class ShardReader:
         self.verify = verify
         self.display = f"{location.display}/gen-{generation:08d}"
         self.bytes_read = 0
+        self._count_lock = threading.Lock()
 
     def run(self, ops: list[ReadOp], threads: int) -> None:
-        if not ops:
+        tasks = [task for op in ops for task in self._tasks(op)]
+        if not tasks:
             return
-        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(ops))), thread_name_prefix="bcp-read") as pool:
-            for future in [pool.submit(self.execute, op) for op in ops]:
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(tasks))), thread_name_prefix="bcp-read") as pool:
+            for future in [pool.submit(task) for task in tasks]:
                 future.result()
 
-    def execute(self, op: ReadOp) -> None:
+    def _tasks(self, op: ReadOp) -> list[Callable[[], None]]:
+        """How to execute one read: straight into the destination's memory when the saved bytes
+        are exactly its bytes (split into parts, so one large shard is read by several threads),
+        else through a scratch buffer and a strided copy."""
         shard, piece = op.shard, op.piece
         itemsize = piece.tensor.element_size()
         inner = op.region.relative_to(shard.box)
         first, end = contiguous_span(inner, shard.box.lengths)
         start_byte, end_byte = self._span(shard.bytes, first * itemsize, end * itemsize)
-        dest = piece.tensor[op.region.relative_to(piece.box).slices()]
         direct = (
             op.region == piece.box and piece.tensor.device.type == "cpu" and piece.tensor.is_contiguous()
             and is_contiguous_in(inner, shard.box.lengths)
             and (start_byte, end_byte) == (first * itemsize, end * itemsize)
         )
-        if direct:
-            self.read_range(shard.bytes, start_byte, byte_view(piece.tensor), piece.name)
-            return
+        if not direct:
+            return [partial(self._through_scratch, op, inner, first, start_byte, end_byte)]
+        view = byte_view(piece.tensor)
+        step = -(-READ_PART_BYTES // self.manifest.checksum_chunk) * self.manifest.checksum_chunk
+        return [partial(self.read_range, shard.bytes, start_byte + at, view[at: at + step], piece.name)
+                for at in range(0, max(1, view.nbytes), step)]
+
+    def _through_scratch(self, op: ReadOp, inner: Box, first: int, start_byte: int, end_byte: int) -> None:
+        piece, shard = op.piece, op.shard
         scratch = torch.empty(end_byte - start_byte, dtype=torch.uint8)
         self.read_range(shard.bytes, start_byte, byte_view(scratch), piece.name)
         values = scratch.view(piece.tensor.dtype)
-        at = first - start_byte // itemsize
+        at = first - start_byte // piece.tensor.element_size()
         source = values.as_strided(inner.lengths, row_major_strides(shard.box.lengths), at)
-        dest.copy_(source)
+        piece.tensor[op.region.relative_to(piece.box).slices()].copy_(source)
 
     def _span(self, where: ByteRange, start: int, end: int) -> tuple[int, int]:
         """The bytes to read for ``[start, end)`` of a stored range: widened to whole checksum
@@ -79,7 +95,8 @@ class ShardReader:
             raise CorruptCheckpointError(f"data file {file} is truncated", path=self.display, key=key) from None
         except OSError as exc:
             raise StorageError(f"reading {file} failed: {exc}", path=self.display, key=key) from exc
-        self.bytes_read += dest.nbytes
+        with self._count_lock:
+            self.bytes_read += dest.nbytes
         if self.verify:
             self._check(where, start, dest, file, key)
 
