@@ -1,0 +1,18 @@
+"""``bcp_accelerate.Accelerator``: accelerate's Accelerator with checkpoints through bcp."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import accelerate
+
+from bcp_accelerate.switch import enable
+
+
+class Accelerator(accelerate.Accelerator):
+    """A drop-in ``accelerate.Accelerator`` whose ``save_state``/``load_state`` go through bcp
+    (unless ``ACCELERATE_CHECKPOINT_ENGINE=accelerate`` says otherwise)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        enable(self)

@@ -1,0 +1,78 @@
+"""An accelerator's prepared models and optimizers as the ``model`` and ``optimizer`` components
+that bcp reshards.
+
+A single prepared model is the ``model`` component itself, so the checkpoint holds the model's own
+parameter names and also loads with a plain ``bcp.load(path, {"model": module})``; several models
+become the children ``model_<i>`` of one container. All optimizers together become one FQN-keyed
+optimizer state dict (per-parameter state by name, the param groups of each optimizer in turn), so
+any number of optimizers over any of the models is saved once and resharded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+
+from bcp.adapters.optimizer import initialize_state
+from bcp.errors import AdapterError
+
+PARAMS = "params"
+
+
+def torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer inside accelerate's wrapper, whose ``step`` is not skipped while gradients
+    accumulate (bcp steps it with a zero learning rate to create missing state before a load)."""
+    return optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer
+
+
+def model_component(models: Sequence[nn.Module], indices: Sequence[int]) -> nn.Module | None:
+    """The models at ``indices`` as one module named consistently with :func:`optimizer_component`."""
+    if not indices:
+        return None
+    if len(models) == 1:
+        return models[0]
+    return nn.ModuleDict({f"model_{i}": models[i] for i in indices})
+
+
+def optimizer_component(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], *,
+                        for_load: bool) -> dict[str, Any]:
+    """One FQN-keyed optimizer state dict over every optimizer; its per-parameter dicts are the live
+    ones. With ``for_load``, missing state is created first so that there is something to load into."""
+    inner = [torch_optimizer(o) for o in optimizers]
+    if for_load:
+        for optimizer in inner:
+            initialize_state(optimizer)
+    names = _parameter_names(models)
+    state: dict[str, dict[str, Any]] = {}
+    groups: list[dict[str, Any]] = []
+    for index, optimizer in enumerate(inner):
+        for group in optimizer.param_groups:
+            params = [_name_of(names, p, index) for p in group[PARAMS]]
+            groups.append({**{k: v for k, v in group.items() if k != PARAMS}, PARAMS: params})
+            state.update({name: optimizer.state[p] for name, p in zip(params, group[PARAMS]) if optimizer.state.get(p)})
+    return {"state": state, "param_groups": groups}
+
+
+def restore_param_groups(component: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Copy loaded hyper-parameters (learning rates, betas, ...) back into the live param groups."""
+    live = [group for o in optimizers for group in torch_optimizer(o).param_groups]
+    for group, loaded in zip(live, component["param_groups"]):
+        group.update({k: v for k, v in loaded.items() if k != PARAMS})
+
+
+def _parameter_names(models: Sequence[nn.Module]) -> dict[int, str]:
+    every = model_component(models, range(len(models)))
+    return {} if every is None else {id(p): name for name, p in every.named_parameters()}
+
+
+def _name_of(names: dict[int, str], param: torch.Tensor, optimizer_index: int) -> str:
+    name = names.get(id(param))
+    if name is None:
+        raise AdapterError(
+            f"optimizer {optimizer_index} updates a parameter of shape {tuple(param.shape)} that is in none of the "
+            "prepared models; bcp names optimizer state by parameter name, so pass the module that owns it "
+            "through accelerator.prepare() too")
+    return name

@@ -1,0 +1,182 @@
+"""``save_state``/``load_state`` with every prepared model and optimizer going through bcp.
+
+A save writes accelerate's own files (schedulers, samplers and dataloader state, RNG states, the
+gradient scaler, registered custom objects) with accelerate's own functions into a fresh
+sub-folder, then saves models, optimizers and a record of the accelerator through ``bcp.save``,
+whose commit is the last write: from then on the folder is a whole checkpoint, before it none.
+Pruning to ``total_limit`` runs after the commit. A load reshards models and optimizers into the
+layout and number of processes the accelerator has now, then lets accelerate load the rest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import accelerate
+from accelerate.checkpointing import (
+    load_accelerator_state,
+    load_custom_state,
+    save_accelerator_state,
+    save_custom_state,
+)
+from accelerate.utils import DistributedType
+
+import bcp
+from bcp.errors import AdapterError, CheckpointNotCommittedError, MismatchError
+from bcp_accelerate import components, folders, hooks
+from bcp_accelerate.consensus import on_all_ranks
+from bcp_accelerate.switch import ENGINE_VARIABLE
+
+#: The bcp component recording the accelerator: its step counter, what was saved, and the
+#: sub-folder holding accelerate's own files.
+RECORD = "accelerate"
+_UNSUPPORTED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.MEGATRON_LM: "Megatron-LM",
+                DistributedType.XLA: "XLA"}
+_LOAD_OPTIONS = ("strict", "map_location")
+
+
+def check_supported(distributed_type: DistributedType) -> None:
+    """DeepSpeed and Megatron-LM engines keep their own sharded state in their own formats."""
+    if distributed_type in _UNSUPPORTED:
+        raise AdapterError(
+            f"the bcp checkpoint engine does not handle {_UNSUPPORTED[distributed_type]} models through "
+            f"accelerate; unset {ENGINE_VARIABLE} (or do not enable bcp) to use accelerate's own engine")
+
+
+def save_state(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLike | None" = None,
+               safe_serialization: bool = True, **save_model_func_kwargs: Any) -> Path:
+    """``Accelerator.save_state`` through bcp. ``safe_serialization`` applies to accelerate's own
+    files (bcp never pickles models or optimizers); ``save_model_func_kwargs`` are DeepSpeed's and
+    unused, as in accelerate with any other engine."""
+    check_supported(accelerator.distributed_type)
+    folder = on_all_ranks(lambda: folders.new_folder(accelerator, output_dir), "choosing the checkpoint folder")
+    os.makedirs(folder, exist_ok=True)
+    saved_models, files_dir = on_all_ranks(
+        lambda: [hooks.models_to_save(accelerator, folder), folders.FILES_DIR_PREFIX + uuid.uuid4().hex[:12]],
+        "running the save_state pre-hooks")
+    on_all_ranks(lambda: _save_accelerate_files(accelerator, os.path.join(folder, files_dir), safe_serialization),
+                 f"writing accelerate's files to {folder}")
+
+    models, optimizers = accelerator._models, accelerator._optimizers
+    state: dict[str, Any] = {RECORD: {
+        "step": accelerator.step, "models": saved_models, "num_models": len(models),
+        "num_optimizers": len(optimizers), "num_custom_objects": len(accelerator._custom_objects),
+        "files": files_dir,
+    }}
+    model = components.model_component(models, saved_models)
+    if model is not None:
+        state["model"] = model
+    if optimizers:
+        state["optimizer"] = components.optimizer_component(models, optimizers, for_load=False)
+    bcp.save(folder, state).wait()
+
+    # Every rank waits for the clean-up so that none looks at folders being deleted.
+    on_all_ranks(lambda: _clean_up(accelerator, folder, files_dir), f"removing what {folder} replaced")
+    accelerator.project_configuration.iteration += 1
+    return Path(folder)
+
+
+def load_state(accelerator: accelerate.Accelerator, input_dir: "str | os.PathLike | None" = None,
+               load_kwargs: dict | None = None, *, accelerate_load_state: Callable[..., Any],
+               **load_model_func_kwargs: Any) -> None:
+    """``Accelerator.load_state`` through bcp. Without ``input_dir`` (automatic naming) it resumes
+    from the newest committed checkpoint; a folder written by accelerate's own engine is loaded by
+    ``accelerate_load_state``. ``strict=False`` loads the overlap of checkpoint and models."""
+    check_supported(accelerator.distributed_type)
+    folder, kind = on_all_ranks(lambda: _choose(accelerator, input_dir), "choosing the checkpoint to load")
+    if kind == folders.Contents.ACCELERATE.name:
+        accelerate_load_state(accelerator, folder, load_kwargs, **load_model_func_kwargs)
+    else:
+        _load_through_bcp(accelerator, folder, load_kwargs, load_model_func_kwargs)
+    folders.continue_numbering(accelerator)
+
+
+def _choose(accelerator: accelerate.Accelerator, input_dir: "str | os.PathLike | None") -> list[str]:
+    folder = folders.folder_to_load(accelerator, input_dir)
+    kind = folders.contents(folder)
+    if kind is folders.Contents.INCOMPLETE:
+        raise CheckpointNotCommittedError(f"cannot load: the folder holds {kind.value}", path=folder)
+    return [folder, kind.name]
+
+
+def _load_through_bcp(accelerator: accelerate.Accelerator, folder: str, load_kwargs: dict | None,
+                      options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - set(_LOAD_OPTIONS))
+    if unknown:
+        raise TypeError(f"load_state() through bcp takes no {', '.join(unknown)} "
+                        f"(its model options are {', '.join(_LOAD_OPTIONS)})")
+    loaded_models = on_all_ranks(lambda: hooks.models_to_load(accelerator, folder), "running the load_state pre-hooks")
+    record = _read_record(folder)
+    on_all_ranks(lambda: _check_matches(record, accelerator, loaded_models, folder), "checking the checkpoint")
+
+    models, optimizers = accelerator._models, accelerator._optimizers
+    state: dict[str, Any] = {}
+    model = components.model_component(models, loaded_models)
+    if model is not None:
+        state["model"] = model
+    if optimizers:
+        state["optimizer"] = components.optimizer_component(models, optimizers, for_load=True)
+    if state:
+        bcp.load(folder, state, strict=options.get("strict", True))
+    if optimizers:
+        components.restore_param_groups(state["optimizer"], optimizers)
+    on_all_ranks(lambda: _load_accelerate_files(accelerator, os.path.join(folder, record["files"]), load_kwargs),
+                 f"loading accelerate's files from {folder}")
+    # The record, unlike the per-process RNG files, reaches processes beyond the saved number.
+    accelerator.step = record["step"]
+
+
+def _save_accelerate_files(accelerator: accelerate.Accelerator, files_dir: str, safe_serialization: bool) -> None:
+    os.makedirs(files_dir, exist_ok=True)
+    on_each_node = accelerator.project_configuration.save_on_each_node
+    save_accelerator_state(files_dir, [], [], accelerator._schedulers, accelerator._dataloaders,
+                           accelerator.process_index, accelerator.step, accelerator.scaler,
+                           save_on_each_node=on_each_node, safe_serialization=safe_serialization)
+    for index, obj in enumerate(accelerator._custom_objects):
+        save_custom_state(obj, files_dir, index, save_on_each_node=on_each_node)
+
+
+def _load_accelerate_files(accelerator: accelerate.Accelerator, files_dir: str, load_kwargs: dict | None) -> None:
+    load_accelerator_state(files_dir, [], [], accelerator._schedulers, accelerator._dataloaders,
+                           accelerator.process_index, accelerator.scaler, None, load_kwargs)
+    for index, obj in enumerate(accelerator._custom_objects):
+        load_custom_state(obj, files_dir, index)
+
+
+def _clean_up(accelerator: accelerate.Accelerator, folder: str, files_dir: str) -> None:
+    """On the main process: accelerate's files of earlier saves into ``folder`` (no longer referenced
+    by the committed checkpoint), and checkpoints beyond ``total_limit``."""
+    if not accelerator.is_main_process:
+        return
+    for name in os.listdir(folder):
+        if name.startswith(folders.FILES_DIR_PREFIX) and name != files_dir:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+    folders.prune(accelerator, folder)
+
+
+def _read_record(folder: str) -> dict[str, Any]:
+    state: dict[str, Any] = {RECORD: None}
+    result = bcp.load(folder, state, strict=False)
+    if RECORD not in result.loaded:
+        raise MismatchError(f"this bcp checkpoint has no {RECORD!r} record: it was not written by "
+                            "Accelerator.save_state; load it with bcp.load", path=folder)
+    return state[RECORD]
+
+
+_DESCRIBED = {"num_models": "prepared models", "num_optimizers": "prepared optimizers",
+              "num_custom_objects": "objects registered for checkpointing",
+              "models": "indices of the models the pre-hooks leave to bcp"}
+
+
+def _check_matches(record: dict[str, Any], accelerator: accelerate.Accelerator, loaded_models: list[int],
+                   folder: str) -> None:
+    live = {"num_models": len(accelerator._models), "num_optimizers": len(accelerator._optimizers),
+            "num_custom_objects": len(accelerator._custom_objects), "models": loaded_models}
+    differences = [f"{_DESCRIBED[key]}: {record[key]} saved, {value} now" for key, value in live.items()
+                   if record[key] != value]
+    if differences:
+        raise MismatchError("the accelerator does not match the checkpoint: " + "; ".join(differences), path=folder)

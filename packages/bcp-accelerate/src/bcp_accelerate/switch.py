@@ -1,0 +1,79 @@
+"""Which engine an accelerator's ``save_state``/``load_state`` use, and the switch that routes them.
+
+Accelerate drops unknown keys of its config file and never sends the file to worker processes, but
+every launcher (``accelerate launch``, ``torchrun``, SLURM) passes the environment on, so the flag
+is an environment variable. It is read at each call, never cached at import: setting or clearing it
+takes effect at the next ``save_state``/``load_state``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+import accelerate
+
+from bcp.errors import CheckpointError
+
+#: ``bcp`` routes every accelerator through bcp; ``accelerate`` forces accelerate's own engine even
+#: where the code opted in (a switch for operators); unset leaves the choice to the code.
+ENGINE_VARIABLE = "ACCELERATE_CHECKPOINT_ENGINE"
+ENGINES = ("bcp", "accelerate")
+
+_OPTED_IN = "_bcp_checkpoint_engine"
+_DISPATCHES = "_bcp_dispatches"
+
+
+def requested_engine() -> str | None:
+    """The engine named by ``ACCELERATE_CHECKPOINT_ENGINE``, or ``None`` when it is unset or empty."""
+    value = os.environ.get(ENGINE_VARIABLE, "").strip().lower()
+    if not value:
+        return None
+    if value not in ENGINES:
+        raise CheckpointError(f"{ENGINE_VARIABLE}={os.environ[ENGINE_VARIABLE]!r} names no checkpoint engine: "
+                              f"use one of {', '.join(ENGINES)}, or leave it unset")
+    return value
+
+
+def enable(accelerator: accelerate.Accelerator) -> accelerate.Accelerator:
+    """Route this accelerator's ``save_state``/``load_state`` through bcp; returns it."""
+    if not isinstance(accelerator, accelerate.Accelerator):
+        raise TypeError(f"enable() takes an accelerate.Accelerator, got {type(accelerator).__name__}")
+    install()
+    setattr(accelerator, _OPTED_IN, True)
+    return accelerator
+
+
+def uses_bcp(accelerator: accelerate.Accelerator) -> bool:
+    """Whether this accelerator's next ``save_state``/``load_state`` goes through bcp."""
+    engine = requested_engine()
+    if engine is not None:
+        return engine == "bcp"
+    return getattr(accelerator, _OPTED_IN, False)
+
+
+def install() -> None:
+    """Let ``accelerate.Accelerator.save_state``/``load_state`` consult :func:`uses_bcp` on each call
+    (idempotent). While it says no, accelerate's own methods run, unchanged."""
+    # Imported here: the engine imports this module for the variable's name.
+    from bcp_accelerate import engine
+
+    cls = accelerate.Accelerator
+    if getattr(cls.save_state, _DISPATCHES, False):
+        return
+    save_state, load_state = cls.save_state, cls.load_state
+    cls.save_state = _dispatching(save_state, engine.save_state)
+    # A folder written by accelerate's own engine is still loaded by it.
+    cls.load_state = _dispatching(load_state, functools.partial(engine.load_state, accelerate_load_state=load_state))
+
+
+def _dispatching(original: Callable[..., Any], through_bcp: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def method(self: accelerate.Accelerator, *args: Any, **kwargs: Any) -> Any:
+        if uses_bcp(self):
+            return through_bcp(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    setattr(method, _DISPATCHES, True)
+    return method
