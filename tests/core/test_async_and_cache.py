@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import torch
-import torch.distributed as dist
 
 import bcp
 from models import assert_bitwise, build, full_state, rank, shard_files, train

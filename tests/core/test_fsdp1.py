@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 import bcp
-from models import assert_bitwise, build, full_state, rank, train
+from models import assert_bitwise, build, train
 from test_resharding import load_fresh, run, save_trained
 
 LAYOUTS = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import bcp
-from models import assert_bitwise, build, full_state, rank, train
+from models import assert_bitwise, build, full_state, rank, read_manifest, train
 
 
 def save_trained(kind: str, path: str, steps: int = 3) -> dict | None:
@@ -57,3 +57,26 @@ def test_model_and_optimizer_reshard_bitwise(ranks, tmp_path, src, src_world, ds
         expected_rank = r if r < src_world else 0
         assert result["extra"] == {"rank": expected_rank, "step": 3}
         assert result["from_rank0"] == ([] if r < src_world else ["extra_state"])
+
+
+def load_read_once(kind: str, path: str) -> dict:
+    model, optimizer = build(kind, seed=2)
+    result = bcp.load(path, {"model": model, "optimizer": optimizer}, read_once=True, strict=False)
+    state = full_state(model, optimizer)
+    return {"state": state if rank() == 0 else None, "read": result.stats.bytes,
+            "received": result.stats.received_bytes}
+
+
+def test_read_once_reads_each_byte_once_across_replicas(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = ranks(2).run(save_trained, "ddp", path)[0]
+    loaded = ranks(3).run(load_read_once, "ddp", path)
+    assert_bitwise(saved, loaded[0]["state"])
+    manifest = read_manifest(path)
+    stored = sum(s.bytes.nbytes for e in manifest.tensors.values() for s in e.shards)
+    groups = manifest.objects["optimizer/param_groups"]  # a small per-rank value each rank reads itself
+    values = sum(groups.records[groups.ranks[r if r < 2 else 0]][0].nbytes for r in range(3))
+    assert sum(r["read"] for r in loaded) == stored + values  # storage served every tensor byte once
+    assert all(r["received"] > 0 for r in loaded)
+    sharded = ranks(3).run(load_read_once, "fsdp2", path)  # no replicas: nothing to share
+    assert_bitwise(saved, sharded[0]["state"])

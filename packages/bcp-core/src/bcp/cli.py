@@ -54,8 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bcp", description="Inspect, verify, export, convert and edit bcp "
-                                     "checkpoints.", epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bcp", description="Inspect, verify, export, convert and edit bcp checkpoints.", epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     inspect = _command(commands, "inspect", _inspect, "what a checkpoint holds (reads only its manifest)")
@@ -162,7 +163,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    source = args.source_format if args.source_format != "auto" else _detect(args.src)
+    source = args.source_format if args.source_format != "auto" else ("bcp" if args.role else _detect(args.src))
     target = args.target_format or ("dcp" if source == "bcp" else "bcp")
     if (source, target) not in {("dcp", "bcp"), ("hf", "bcp"), ("bcp", "dcp")}:
         raise CheckpointError(f"converting {source} to {target} is not supported (supported: dcp->bcp, hf->bcp, "
@@ -200,7 +201,8 @@ def _detect(src: str) -> str:
         return "dcp"
     if os.path.isdir(src) and any(n.startswith("gen-") for n in os.listdir(src)):
         return "bcp"
-    if src.endswith(".safetensors") or (os.path.isdir(src) and any(n.endswith(".safetensors") for n in os.listdir(src))):
+    if src.endswith(".safetensors") or (os.path.isdir(src) and any(n.endswith(".safetensors")
+                                                                     for n in os.listdir(src))):
         return "hf"
     if not os.path.exists(src):
         raise CheckpointError("no such file or folder", path=src)

@@ -11,12 +11,14 @@ from bcp.api.location import resolve
 from bcp.api.results import LoadResult, PhaseStats
 from bcp.api.save import DEFAULT_IO_THREADS
 from bcp.coord import Coordinator, default_coordinator
-from bcp.coord.consensus import Outcome, all_agree, broadcast_from_root
+from bcp.coord.consensus import Outcome, all_agree, broadcast_from_root, gather_then_reply
 from bcp.engine.location import Location
 from bcp.engine.reader import ShardReader
+from bcp.engine.redistribute import read_and_share
 from bcp.errors import MismatchError
 from bcp.layout.manifest import Manifest
-from bcp.planning.load_plan import check_meta, plan_reads
+from bcp.planning.load_plan import ReadOp, check_meta, plan_reads
+from bcp.planning.read_once import assign_readers, read_requests
 from bcp.planning.pieces import is_tensor_value, pieces_of, tensor_meta
 from bcp.storage import Storage
 
@@ -34,12 +36,15 @@ def load(
     allow_pickle: bool = False,
     verify: bool = True,
     io_threads: int = DEFAULT_IO_THREADS,
+    read_once: bool = False,
 ) -> LoadResult:
     """Load the newest committed checkpoint at ``path`` into ``state`` (in place).
 
     Model and optimizer are resharded into the layout they have now. With ``strict``, every
     requested entry must be saved and every saved entry of a requested component requested.
-    ``verify`` checks every byte read against its checksum.
+    ``verify`` checks every byte read against its checksum. With ``read_once``, bytes that several
+    ranks need (data-parallel replicas) are read from storage by one of them and sent to the others
+    over the process group.
     """
     check_keys(state)
     coord = coordinator or default_coordinator()
@@ -54,8 +59,12 @@ def load(
     result = LoadResult(location.display, generation, manifest.world_size, manifest.framework, stats=stats)
     adapter = adapter_for(state, framework) if any(k in state for k in RESHARDED) else None
     reader = ShardReader(location, generation, manifest, verify=verify)
-    read = Outcome.of(lambda: _read(state, adapter, manifest, reader, result, coord.rank, strict,
-                                    allow_pickle, io_threads))
+    planned = Outcome.of(lambda: _plan(state, adapter, manifest, result, strict))
+    roles = None
+    if read_once and coord.world_size > 1:
+        requests = Outcome(read_requests(planned.value[1]) if planned.error is None else None, planned.error)
+        roles = gather_then_reply(coord, requests, assign_readers, f"planning the load of {location.display}")
+    read = Outcome.of(lambda: _read(planned, reader, roles, coord, result, allow_pickle, io_threads))
     stats.bytes = reader.bytes_read
     all_agree(coord, Outcome(error=read.error), f"loading {location.display}")
     with stats.phase("apply"):
@@ -69,10 +78,11 @@ def _read_manifest(location: Location) -> list[Any]:
     return [generation, *location.read_manifest_files(generation)]
 
 
-def _read(state: dict[str, Any], adapter: Any, manifest: Manifest, reader: ShardReader, result: LoadResult,
-          rank: int, strict: bool, allow_pickle: bool, io_threads: int) -> dict[str, Any]:
-    stats = result.stats
-    with stats.phase("plan"):
+def _plan(state: dict[str, Any], adapter: Any, manifest: Manifest, result: LoadResult,
+          strict: bool) -> tuple[dict[str, Any], list[ReadOp], list[str]]:
+    """What the live state wants: its values by name, the reads that fill its tensors, and the
+    names of the values to decode."""
+    with result.stats.phase("plan"):
         wanted = collect(state, adapter, for_load=True)
         _match_names(wanted, manifest, strict, result)
         pieces, objects = [], []
@@ -85,9 +95,20 @@ def _read(state: dict[str, Any], adapter: Any, manifest: Manifest, reader: Shard
             else:
                 raise MismatchError("saved as a tensor but the live value is not one, or the reverse",
                                     path=result.path, key=name)
-        ops = plan_reads(manifest, pieces, result.path)
-    with stats.phase("read"):
-        reader.run(ops, io_threads)
+        return wanted, plan_reads(manifest, pieces, result.path), objects
+
+
+def _read(planned: Outcome, reader: ShardReader, roles: list[Any] | None, coord: Coordinator,
+          result: LoadResult, allow_pickle: bool, io_threads: int) -> dict[str, Any]:
+    if planned.error is not None:
+        raise planned.error
+    wanted, ops, objects = planned.value
+    manifest, rank = reader.manifest, coord.rank
+    with result.stats.phase("read"):
+        if roles is None:
+            reader.run(ops, io_threads)
+        else:
+            result.stats.received_bytes = read_and_share(reader, ops, roles, coord.group, io_threads)
         loaded = {name: wanted[name] for name in result.loaded if name in manifest.tensors}
         for name in objects:
             entry = manifest.objects[name]

@@ -15,7 +15,10 @@ class PhaseStats:
     read, apply)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    #: Bytes written (save) or read from storage (load) by this rank.
     bytes: int = 0
+    #: Load with ``read_once``: bytes this rank received from other ranks instead of reading them.
+    received_bytes: int = 0
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

@@ -8,8 +8,7 @@ of a second, and every field is validated on read: a hostile manifest yields a
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -318,7 +317,3 @@ class _ManifestParser:
 def _safe_relpath(name: str) -> bool:
     parts = name.split("/")
     return bool(name) and not name.startswith("/") and "\\" not in name and all(p not in ("", ".", "..") for p in parts)
-
-
-def chunk_count(nbytes: int, chunk: int) -> int:
-    return max(1, math.ceil(nbytes / chunk))

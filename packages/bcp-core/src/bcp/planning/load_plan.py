@@ -21,6 +21,8 @@ class ReadOp:
     piece: Piece
     shard: ShardEntry
     region: Box
+    #: Position of ``shard`` among its tensor's shards: with the tensor name, it names the shard.
+    shard_index: int
 
 
 def check_meta(manifest: Manifest, name: str, dtype: torch.dtype, shape: tuple[int, ...], path: str) -> None:
@@ -39,10 +41,10 @@ def plan_reads(manifest: Manifest, pieces: list[Piece], path: str) -> list[ReadO
     for piece in pieces:
         entry = manifest.tensors[piece.name]
         covered = 0
-        for shard in entry.shards:
+        for index, shard in enumerate(entry.shards):
             region = shard.box.intersect(piece.box)
             if region is not None:
-                ops.append(ReadOp(piece, shard, region))
+                ops.append(ReadOp(piece, shard, region, index))
                 covered += region.numel
         if covered != piece.box.numel:
             raise CorruptCheckpointError(

@@ -61,7 +61,7 @@ class ValueSource:
 
 
 def write_checkpoint(out: "str | os.PathLike", pieces: Sequence[PieceSource], values: Sequence[ValueSource], *,
-                     note: str, framework: str = "plain", world_size: int = 1, aliases: Mapping[str, str] = {},
+                     note: str, framework: str = "plain", world_size: int = 1, aliases: Mapping[str, str] | None = None,
                      unsafe_pickle: bool = False, sources: Sequence["str | os.PathLike"] = (),
                      progress: Progress | None = None) -> int:
     """Write a committed checkpoint at ``out`` (a new or empty folder, apart from every ``sources``
@@ -74,13 +74,13 @@ def write_checkpoint(out: "str | os.PathLike", pieces: Sequence[PieceSource], va
     try:
         files, tensors = _write_pieces(location, generation, pieces, progress)
         objects = _write_values(location, generation, values, files)
-        _add_aliases(tensors, aliases)
+        _add_aliases(tensors, aliases or {})
         _check_covered(tensors)
         manifest = Manifest(generation=generation, world_size=world_size, framework=framework, files=files,
                             tensors=tensors, objects=objects, checksum_chunk=DEFAULT_CHECKSUM_CHUNK,
                             unsafe_pickle=unsafe_pickle, created_unix=time.time(),
                             writer=f"bcp {__version__} ({note})")
-        location.commit(generation, manifest.to_json())
+        location.commit(generation, manifest)
     except BaseException:
         location.storage.delete_tree(f"{location.prefix}{generation_dir(generation)}")
         raise

@@ -86,7 +86,8 @@ class Checkpoint:
     def tensor_entry(self, name: str) -> TensorEntry:
         entry = self.tensors.get(name)
         if entry is None:
-            hint = " (it is a non-tensor value: use read_object)" if name in self.objects else _suggest(name, self.tensors)
+            in_objects = name in self.objects
+            hint = " (it is a non-tensor value: use read_object)" if in_objects else _suggest(name, self.tensors)
             raise CheckpointError(f"no tensor named {name!r}{hint}", path=self.path)
         return entry
 
@@ -100,10 +101,12 @@ def open_checkpoint(path: "str | os.PathLike | Storage", *, role: str | None = N
     location = resolve(path, role)
     try:
         chosen = location.latest_committed() if generation is None else _committed(location, generation)
-    except CheckpointNotFoundError as exc:
+    except CheckpointNotFoundError:
         hint = _other_format_hint(location)
-        raise (CheckpointNotFoundError(f"{exc}; {hint}") if hint else exc) from None
-    _, manifest = location.read_manifest(chosen)
+        if hint:
+            raise CheckpointNotFoundError(f"not a bcp checkpoint: {hint}", path=location.display) from None
+        raise
+    manifest = location.read_manifest(chosen)
     return Checkpoint(location, chosen, manifest, verify=verify, io_threads=io_threads)
 
 

@@ -180,7 +180,8 @@ class DcpSource:
             with _single_process():
                 load(state, storage_reader=self.reader, planner=planner, no_dist=True)
         except (Exception, CheckpointException) as exc:  # DCP wraps storage errors in a BaseException
-            raise CorruptCheckpointError(f"reading {what} failed: {type(exc).__name__}: {exc}", path=self.path) from None
+            raise CorruptCheckpointError(f"reading {what} failed: {type(exc).__name__}: {exc}",
+                                         path=self.path) from None
         return state
 
 

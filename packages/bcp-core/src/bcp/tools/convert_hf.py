@@ -43,6 +43,8 @@ def convert_hf_to_bcp(src: "str | os.PathLike", out: "str | os.PathLike", *, com
     "model.embed_tokens.weight"}``); by default they come from ``src``'s ``config.json`` when
     ``transformers`` is installed. Pass ``{}`` to add none.
     """
+    if not component or "/" in component:
+        raise CheckpointError(f"a component name is non-empty and has no '/': {component!r}")
     files = [SafetensorsFile(f) for f in safetensors_files(src)]
     source_of: dict[str, SafetensorsFile] = {}
     for file in files:

@@ -91,7 +91,7 @@ def export_safetensors(path: "str | os.PathLike", out: "str | os.PathLike", *, c
     total = sum(t.nbytes for t in tensors)
     if len(groups) > 1:
         index = {"metadata": {"total_size": total},
-                 "weight_map": {t.name: n for n, g in zip(names, groups) for t in sorted(g, key=lambda t: t.name)}}
+                 "weight_map": {t.name: n for n, g in zip(names, groups) for t in g}}
         _write_json(os.path.join(target, INDEX_NAME), index)
     if config is not None:
         _copy_config(config, target)
@@ -109,11 +109,11 @@ def _select(checkpoint: Checkpoint, component: str, rules: NameRules,
     renamed = rules.apply(n[len(prefix):] for n in names)
     if not renamed:
         raise CheckpointError(f"the rules leave no tensor of component {component!r} to export", path=checkpoint.path)
-    return [
-        _Tensor(prefix + short, new, casts.dtype_for(short, dtype_from_name(checkpoint.tensors[prefix + short].dtype)),
-                checkpoint.tensors[prefix + short])
-        for short, new in renamed.items()
-    ], skipped
+    selected = []
+    for short, new in renamed.items():
+        entry = checkpoint.tensors[prefix + short]
+        selected.append(_Tensor(prefix + short, new, casts.dtype_for(short, dtype_from_name(entry.dtype)), entry))
+    return selected, skipped
 
 
 def _tied(checkpoint: Checkpoint, tensors: list[_Tensor], config: "str | os.PathLike") -> dict[str, str]:

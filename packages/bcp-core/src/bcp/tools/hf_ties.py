@@ -24,7 +24,8 @@ def config_file(path: "str | os.PathLike") -> str:
 
 def tied_groups(config_path: "str | os.PathLike") -> list[list[str]] | None:
     """Names of each group of parameters sharing one tensor (the first name is the one the model
-    registers first, which Hugging Face keeps); None when the model cannot be built here."""
+    registers first, which Hugging Face keeps); None when the config names no ``transformers``
+    model class (or ``transformers`` is missing)."""
     try:
         import transformers
     except ImportError:
@@ -33,10 +34,11 @@ def tied_groups(config_path: "str | os.PathLike") -> list[list[str]] | None:
         settings = json.load(f)
     architectures = settings.get("architectures") or []
     model_class = getattr(transformers, architectures[0], None) if architectures else None
-    if model_class is None or "model_type" not in settings:
-        return None
+    if not (isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)
+            and "model_type" in settings):
+        return None  # unknown here (e.g. a remote-code architecture): ties cannot be told
     config = transformers.AutoConfig.for_model(**settings)
-    with torch.device("meta"):
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = model_class(config)
     names: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):

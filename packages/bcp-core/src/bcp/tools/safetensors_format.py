@@ -108,8 +108,9 @@ class SafetensorsFile:
         metadata = doc.pop(METADATA_KEY, {})
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise self.fail("__metadata__ must map strings to strings")
-        entries = {name: self._entry(name, spec, data_nbytes) for name, spec in doc.items()}
-        spans = sorted((e.begin, e.end, e.name) for e in entries.values() if e.end > e.begin)
+        parsed = sorted((self._entry(name, spec, data_nbytes) for name, spec in doc.items()), key=lambda e: e.begin)
+        entries = {e.name: e for e in parsed}  # in file order, so reading them in turn reads the file forward
+        spans = [(e.begin, e.end, e.name) for e in parsed if e.end > e.begin]
         for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
             if begin < end:
                 raise self.fail(f"tensors {first!r} and {second!r} overlap")

@@ -1,0 +1,48 @@
+"""Executing a read-once plan: this rank reads its share of the regions, sends each shared region
+to the ranks that need it as soon as it is read, and receives the regions other ranks read."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bcp.engine.reader import ShardReader
+from bcp.planning.load_plan import ReadOp
+from bcp.planning.read_once import READ, RECEIVE
+
+
+def read_and_share(reader: ShardReader, ops: list[ReadOp], roles: list[list[Any]], group: Any,
+                   threads: int) -> int:
+    """Run ``ops`` under ``roles`` (``read_once.assign_readers``) over the gloo ``group``;
+    returns the bytes received from other ranks."""
+    received: list[tuple[ReadOp, torch.Tensor, Any]] = []
+    for op, (role, transfer, peer) in zip(ops, roles):
+        if role == RECEIVE:  # posted first, so every send finds its receive waiting
+            buffer = torch.empty(op.region.lengths, dtype=op.piece.tensor.dtype)
+            work = dist.irecv(buffer, src=dist.get_global_rank(group, peer), group=group, tag=transfer)
+            received.append((op, buffer, work))
+    reads = [(op, role) for op, role in zip(ops, roles) if role[0] == READ]
+    sends = []
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="bcp-read") as pool:
+        pending = [(op, role, [pool.submit(task) for task in reader._tasks(op)]) for op, role in reads]
+        for op, (_, transfer, receivers), futures in pending:
+            for future in futures:
+                future.result()
+            if receivers:
+                data = _region(op).contiguous()
+                sends += [dist.isend(data, dst=dist.get_global_rank(group, r), group=group, tag=transfer)
+                          for r in receivers]
+    for op, buffer, work in received:
+        work.wait()
+        _region(op).copy_(buffer)
+    for work in sends:
+        work.wait()
+    return sum(buffer.numel() * buffer.element_size() for _, buffer, _ in received)
+
+
+def _region(op: ReadOp) -> torch.Tensor:
+    """The destination's view of the op's region."""
+    return op.piece.tensor[op.region.relative_to(op.piece.box).slices()]
