@@ -1,0 +1,19 @@
+"""bcp for Lightning: checkpoints that resume on any world size and parallel layout.
+
+``Trainer(plugins=[BCPCheckpointIO()])`` routes single-device and DDP checkpointing through bcp;
+``Trainer(strategy=BCPDDPStrategy())``, ``BCPFSDPStrategy()`` or ``BCPModelParallelStrategy()``
+save and load on every rank with the live, possibly sharded, model and optimizers. These classes
+are for the ``lightning`` package; ``bcp_lightning.pytorch_lightning`` has the same for the
+standalone ``pytorch_lightning`` package.
+"""
+
+import lightning.fabric.plugins as _fabric_plugins
+import lightning.pytorch.strategies as _strategies
+
+from bcp_lightning.binding import bind as _bind
+from bcp_lightning.io import Options
+
+BCPCheckpointIO, BCPDDPStrategy, BCPFSDPStrategy, BCPModelParallelStrategy = _bind(
+    _fabric_plugins.CheckpointIO, _strategies, __name__)
+
+__all__ = ["BCPCheckpointIO", "BCPDDPStrategy", "BCPFSDPStrategy", "BCPModelParallelStrategy", "Options"]

@@ -1,0 +1,116 @@
+"""What makes a Lightning strategy checkpoint through bcp on every rank.
+
+Lightning's DDPStrategy calls its checkpoint plugin on rank 0 only, and FSDPStrategy and
+ModelParallelStrategy bypass it for torch.distributed.checkpoint. Mixed into them, ``StrategyMixin``
+saves and loads on every rank with the live model and optimizers, as torch's sharded, FQN-keyed
+state dicts (``torch.distributed.checkpoint.state_dict``): plain tensors under DDP, DTensors under
+FSDP2 and tensor parallelism, ShardedTensors under FSDP1. bcp writes replicated state once and
+reshards on load, so a checkpoint resumes on any world size and with any of these strategies.
+
+As with Lightning's sharded strategies, the checkpoint is restored after the strategy's setup (the
+optimizers exist then) and the model and optimizers are loaded in ``load_checkpoint``: hooks such as
+``on_load_checkpoint`` see Lightning's other entries, not ``state_dict``/``optimizer_states``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+import bcp
+from bcp_lightning import convert
+from bcp_lightning.io import CheckpointIOMixin, refuse_storage_options
+
+
+class StrategyMixin:
+    """Checkpointing through bcp on every rank; mixed into a Lightning strategy class."""
+
+    #: The BCPCheckpointIO class of the same Lightning package (set where the classes are made).
+    checkpoint_io_class: type[CheckpointIOMixin]
+    #: Whether index-keyed optimizer states (saved under Lightning's own DDP strategy) can be loaded:
+    #: only where every rank holds whole parameters.
+    loads_index_keyed_optimizer_states: bool = False
+
+    @property
+    def checkpoint_io(self) -> CheckpointIOMixin:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = self.checkpoint_io_class()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        if not isinstance(io, CheckpointIOMixin):
+            raise TypeError(f"{type(self).__name__} saves through bcp and needs a BCPCheckpointIO plugin, got "
+                            f"{type(io).__name__}; for asynchronous saving pass BCPCheckpointIO(async_save=True)")
+        self._checkpoint_io = io
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, _unwrap(optimizer))
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank saves its part; the path is rank 0's."""
+        refuse_storage_options(storage_options)
+        path = self.broadcast(os.fspath(filepath))
+        self.checkpoint_io.save_on_ranks(checkpoint, path)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load the model, and the optimizers when fitting, in place; return Lightning's other entries."""
+        path = self.broadcast(os.fspath(checkpoint_path))
+        strict = self.lightning_module.strict_loading
+        optimizers = [_unwrap(o) for o in self.optimizers] if self.lightning_module.trainer.state.fn == "fit" else []
+        model_state = get_model_state_dict(self.model)
+        optimizer_states = [get_optimizer_state_dict(self.model, o) for o in optimizers]
+        checkpoint = self.checkpoint_io.load_into(path, model_state, optimizer_states, strict=strict)
+        set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=strict))
+        if optimizers and convert.OPTIMIZER_STATES in checkpoint:
+            self._load_index_keyed_optimizer_states(checkpoint, path)
+        else:
+            for optimizer, state in zip(optimizers, optimizer_states):
+                set_optimizer_state_dict(self.model, optimizer, state)
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Nothing to do: ``load_checkpoint`` loaded the model."""
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Nothing to do: ``load_checkpoint`` loaded the optimizers."""
+
+    def teardown(self) -> None:
+        super().teardown()
+        # FSDPStrategy and ModelParallelStrategy do not tear the plugin down; pending saves must finish.
+        self.checkpoint_io.teardown()
+
+    def _load_index_keyed_optimizer_states(self, checkpoint: Mapping[str, Any], path: str) -> None:
+        if not self.loads_index_keyed_optimizer_states:
+            raise bcp.CheckpointError(
+                "the optimizer state in this checkpoint is keyed by parameter index (it was saved by "
+                "BCPCheckpointIO under Lightning's own DDP or single-device strategy), so it cannot be resharded "
+                f"into {type(self).__name__}; resume it with BCPDDPStrategy or Lightning's DDP, or save it with "
+                "BCPDDPStrategy, whose checkpoints reshard into every strategy", path=path)
+        for optimizer, state in zip(self.optimizers, checkpoint[convert.OPTIMIZER_STATES]):
+            _unwrap(optimizer).load_state_dict(state)
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper."""
+    return getattr(optimizer, "_optimizer", optimizer)

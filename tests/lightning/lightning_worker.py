@@ -1,0 +1,218 @@
+"""One rank of a Lightning job: ``python lightning_worker.py SPEC.json``, started once per rank by
+``lightning_launch.run`` with the environment Lightning reads for externally launched processes.
+
+A job runs several cases in order, each a real Trainer run (each builds its own Trainer, model and
+data), so one launch serves many checks. Each case returns plain data and CPU tensors: losses per
+step, and whole-state snapshots (every model and optimizer tensor, gathered with torch's own
+``get_*_state_dict(full_state_dict=True)``, independent of bcp) taken when a checkpoint is saved,
+right after one is restored and at the end. Results go to ``result-<rank>.pt``; the tests assert.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+from bcp_lightning import BCPCheckpointIO, BCPDDPStrategy, BCPFSDPStrategy, BCPModelParallelStrategy  # noqa: E402
+from models import MLP  # noqa: E402
+
+SAMPLES = 48
+BATCH = 4
+# Read once: Lightning's environment deletes WORLD_SIZE from os.environ when a run tears down.
+WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class LitMLP(L.LightningModule):
+    """tests/models.MLP; ``layout`` says how ``configure_model`` parallelises it."""
+
+    def __init__(self, layout: str = "replicated", lr: float = 1e-2) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        with torch.random.fork_rng():  # the same weights every time, the caller's RNG untouched
+            torch.manual_seed(0)
+            self.net = MLP()
+
+    def configure_model(self) -> None:
+        if self.hparams.layout == "fsdp2":
+            from torch.distributed.fsdp import FSDPModule, fully_shard
+
+            if not isinstance(self.net, FSDPModule):
+                mesh = self.device_mesh["data_parallel"]
+                fully_shard(self.net.fc1, mesh=mesh)
+                fully_shard(self.net.fc2, mesh=mesh)
+                fully_shard(self.net, mesh=mesh)
+        elif self.hparams.layout == "tp":
+            from torch.distributed.tensor import Replicate
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            if not hasattr(self.net.fc1.weight, "placements"):
+                parallelize_module(self.net, self.device_mesh["tensor_parallel"],
+                                   {"fc1": ColwiseParallel(output_layouts=Replicate()),
+                                    "fc2": RowwiseParallel(input_layouts=Replicate())})
+        elif self.hparams.layout == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            # The test's CPU workaround: Lightning wraps with device_id=None, which FSDP1 refuses
+            # without an accelerator; wrapped here, Lightning leaves the module as it is.
+            if not isinstance(self.net, FSDP):
+                self.net = FSDP(self.net, device_id=torch.device("cpu"), use_orig_params=True)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.7)}
+
+
+class Data(L.LightningDataModule):
+    """Fixed random data; ``loaders_made`` is the datamodule's checkpointed state."""
+
+    def __init__(self, shuffle: bool = True) -> None:
+        super().__init__()
+        self.shuffle = shuffle
+        self.loaders_made = 0
+
+    def train_dataloader(self) -> Any:
+        self.loaders_made += 1
+        return torch.utils.data.DataLoader(_dataset(0), batch_size=BATCH, shuffle=self.shuffle)
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(_dataset(1), batch_size=BATCH)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loaders_made": self.loaders_made}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loaders_made = state_dict["loaders_made"]
+
+
+def _dataset(seed: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(torch.randn(SAMPLES, 12, generator=g), torch.randn(SAMPLES, 7, generator=g))
+
+
+def full_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    """Every model and optimizer tensor, whole, by FQN (a collective: all ranks call it)."""
+    options = StateDictOptions(full_state_dict=True)
+    model = trainer.strategy.model
+    out = {f"model/{k}": v.detach().clone() for k, v in get_model_state_dict(model, options=options).items()}
+    for i, optimizer in enumerate(trainer.optimizers):
+        state = get_optimizer_state_dict(model, optimizer, options=options)["state"]
+        for fqn, per_param in state.items():
+            out.update({f"optimizer{i}/{fqn}/{k}": torch.as_tensor(v).detach().clone() for k, v in per_param.items()})
+    return out
+
+
+class Recorder(Callback):
+    """Losses per global step, learning rates per epoch and whole-state snapshots at saves and
+    right after a restore."""
+
+    def __init__(self, resumed: bool) -> None:
+        self.resumed = resumed
+        self.losses: dict[int, float] = {}
+        self.lrs: dict[int, float] = {}
+        self.saved: dict[int, dict[str, torch.Tensor]] = {}
+        self.saved_lrs: dict[int, float] = {}
+        self.restored: dict[str, Any] | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.resumed:
+            self.restored = {"global_step": trainer.global_step, "epoch": trainer.current_epoch,
+                             "state": full_state(trainer)}
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.lrs[trainer.current_epoch] = trainer.optimizers[0].param_groups[0]["lr"]
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses[trainer.global_step] = outputs["loss"].item()
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self.saved[trainer.global_step] = full_state(trainer)
+        self.saved_lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+STRATEGIES = {
+    "ddp": lambda: DDPStrategy(),
+    "bcp_ddp": lambda: BCPDDPStrategy(),
+    "bcp_fsdp": lambda: BCPFSDPStrategy(),
+    "bcp_fsdp2": lambda: BCPModelParallelStrategy(data_parallel_size=WORLD_SIZE, tensor_parallel_size=1),
+    "bcp_tp": lambda: BCPModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=WORLD_SIZE),
+    "single": lambda: "auto",
+}
+LAYOUTS = {"ddp": "replicated", "bcp_ddp": "replicated", "bcp_fsdp": "fsdp1", "bcp_fsdp2": "fsdp2", "bcp_tp": "tp",
+           "single": "replicated"}
+
+
+def fit(strategy: str, dirpath: str, epochs: int, resume_from: str | None = None, plugin: bool = False,
+        async_save: bool = False,
+        save_last: Any = True, top_k: int = -1, monitor: str = "val_loss",
+        extra_saves: tuple[tuple[str, bool], ...] = ()) -> dict[str, Any]:
+    """One ``Trainer.fit``; ``plugin`` adds BCPCheckpointIO (for Lightning's own strategies, or an
+    asynchronous one with ``async_save``); after
+    it, ``Trainer.save_checkpoint(path, weights_only)`` for each of ``extra_saves``. Monitoring
+    ``"step"`` (always improving) makes every epoch replace the worst of the top k."""
+    recorder = Recorder(resumed=resume_from is not None)
+    checkpointing = ModelCheckpoint(dirpath=dirpath, filename="{epoch}", monitor=monitor, save_top_k=top_k,
+                                    mode="max" if monitor == "step" else "min", save_last=save_last)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD_SIZE, strategy=STRATEGIES[strategy](),
+        plugins=[BCPCheckpointIO(async_save=async_save)] if plugin or async_save else None, max_epochs=epochs,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[recorder, checkpointing, EarlyStopping("val_loss", patience=100)])
+    data = Data()
+    trainer.fit(LitMLP(LAYOUTS[strategy]), datamodule=data, ckpt_path=resume_from)
+    for path, weights_only in extra_saves:
+        trainer.save_checkpoint(path, weights_only=weights_only)
+    return {"losses": recorder.losses, "lrs": recorder.lrs, "saved": recorder.saved, "saved_lrs": recorder.saved_lrs,
+            "restored": recorder.restored, "final": {"global_step": trainer.global_step, "state": full_state(trainer)},
+            "loaders_made": data.loaders_made,
+            "files": sorted(os.listdir(dirpath)) if os.path.isdir(dirpath) else [],
+            "best_k": sorted(os.path.basename(p) for p in checkpointing.best_k_models)}
+
+
+def expect_error(strategy: str, dirpath: str, resume_from: str) -> str:
+    """The message of the error a resume raises (the same on every rank)."""
+    try:
+        fit(strategy, dirpath, epochs=1, resume_from=resume_from)
+    except Exception as exc:  # the test asserts on the message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+CASES = {"fit": fit, "expect_error": expect_error}
+
+
+def main() -> None:
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    rank = int(os.environ["LOCAL_RANK"])
+    results = [CASES[case["case"]](**case["args"]) for case in spec["cases"]]
+    torch.save(results, os.path.join(spec["out"], f"result-{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

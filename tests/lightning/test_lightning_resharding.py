@@ -1,0 +1,194 @@
+"""Real Trainer runs on several CPU processes: checkpoints saved by bcp_lightning resume on another
+world size and with another strategy, bitwise; in the same layout the loss curve continues as if
+training had never stopped.
+
+Three launches serve every case (a launch costs seconds): one process, then two, then one again,
+each later launch resuming the checkpoints of the earlier ones. Whole-state snapshots (every model
+and optimizer tensor, gathered by torch, independent of bcp) are taken at each save and right after
+each restore; see ``lightning_worker.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import bcp
+from lightning_launch import run
+from models import MLP, assert_bitwise
+
+pytestmark = pytest.mark.distributed
+
+STEPS_PER_EPOCH = {1: 12, 2: 6}  # 48 samples, batches of 4 per rank
+
+
+def fit(strategy: str, dirpath: str, epochs: int, **args) -> dict:
+    return {"case": "fit", "args": {"strategy": strategy, "dirpath": dirpath, "epochs": epochs, **args}}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("lightning"))
+
+
+@pytest.fixture(scope="module")
+def one_process(root) -> dict:
+    """FSDP2 (ModelParallelStrategy) on one process, saving for the two-process launch."""
+    (mp1,) = run(1, [fit("bcp_fsdp2", f"{root}/mp1", 2)], f"{root}/launch-1")[0]
+    return {"mp1": mp1}
+
+
+@pytest.fixture(scope="module")
+def two_processes(root, one_process) -> dict:
+    r = root
+    cases = {
+        # Lightning's DDPStrategy with the plugin alone: an uninterrupted run, then a resume of it.
+        "ddp_plugin": fit("ddp", f"{r}/ddp_plugin", 4, plugin=True, save_last="link"),
+        "ddp_plugin_resumed": fit("ddp", f"{r}/ddp_plugin_resumed", 4, plugin=True,
+                                  resume_from=f"{r}/ddp_plugin/epoch=1.ckpt"),
+        # BCPDDPStrategy: the same, plus Trainer.save_checkpoint and top-k removal.
+        "bcp_ddp": fit("bcp_ddp", f"{r}/bcp_ddp", 3, top_k=2, monitor="step",
+                       extra_saves=[[f"{r}/bcp_ddp/explicit.ckpt", False], [f"{r}/weights_only.ckpt", True]]),
+        "bcp_ddp_resumed": fit("bcp_ddp", f"{r}/bcp_ddp_resumed", 3, resume_from=f"{r}/bcp_ddp/epoch=1.ckpt"),
+        # DDP -> ModelParallel (FSDP2) on two processes; this run's last checkpoint goes to one process.
+        "ddp_to_fsdp2": fit("bcp_fsdp2", f"{r}/mp2", 4, resume_from=f"{r}/bcp_ddp/explicit.ckpt"),
+        "ddp_to_tp": fit("bcp_tp", f"{r}/tp", 4, resume_from=f"{r}/bcp_ddp/explicit.ckpt"),
+        "fsdp2_1_to_2": fit("bcp_fsdp2", f"{r}/mp1to2", 3, resume_from=f"{r}/mp1/last.ckpt"),
+        "fsdp1": fit("bcp_fsdp", f"{r}/fsdp1", 2, top_k=1, monitor="step", async_save=True),
+    }
+    results = run(2, list(cases.values()), f"{r}/launch-2")
+    return {name: [rank[i] for rank in results] for i, name in enumerate(cases)}
+
+
+@pytest.fixture(scope="module")
+def back_to_one(root, two_processes) -> dict:
+    r = root
+    cases = {
+        "ddp_plugin_2_to_1": fit("single", f"{r}/p3-a", 3, plugin=True, resume_from=f"{r}/ddp_plugin/epoch=1.ckpt"),
+        "bcp_ddp_2_to_1": fit("bcp_ddp", f"{r}/p3-b", 3, resume_from=f"{r}/bcp_ddp/epoch=1.ckpt"),
+        "fsdp2_2_to_1": fit("bcp_fsdp2", f"{r}/p3-c", 5, resume_from=f"{r}/mp2/last.ckpt"),
+        "tp_2_to_fsdp2_1": fit("bcp_fsdp2", f"{r}/p3-h", 5, resume_from=f"{r}/tp/last.ckpt"),
+        "fsdp1_2_to_1": fit("bcp_fsdp", f"{r}/p3-d", 3, resume_from=f"{r}/fsdp1/last.ckpt"),
+        # A strategy's checkpoint (FQN-keyed optimizer) resumed by the plugin alone, single device.
+        "bcp_ddp_to_plugin": fit("single", f"{r}/p3-e", 3, plugin=True, resume_from=f"{r}/bcp_ddp/epoch=1.ckpt"),
+        "index_keyed_into_fsdp2": {"case": "expect_error", "args": {
+            "strategy": "bcp_fsdp2", "dirpath": f"{r}/p3-f", "resume_from": f"{r}/ddp_plugin/epoch=1.ckpt"}},
+        "weights_only_resume": {"case": "expect_error", "args": {
+            "strategy": "bcp_ddp", "dirpath": f"{r}/p3-g", "resume_from": f"{r}/weights_only.ckpt"}},
+    }
+    (results,) = run(1, list(cases.values()), f"{r}/launch-3")
+    return dict(zip(cases, results))
+
+
+def saved_at_epoch_end(run_result: dict, epoch: int, world_size: int) -> dict:
+    return run_result["saved"][(epoch + 1) * STEPS_PER_EPOCH[world_size]]
+
+
+def assert_resumed_from(resumed: dict, saved: dict, step: int) -> None:
+    assert resumed["restored"]["global_step"] == step
+    assert_bitwise(saved, resumed["restored"]["state"])
+
+
+@pytest.mark.parametrize("name", ["ddp_plugin", "bcp_ddp"])
+def test_ddp_resume_on_two_continues_the_loss_curve(two_processes, name):
+    reference, resumed = two_processes[name], two_processes[f"{name}_resumed"]
+    step = 2 * STEPS_PER_EPOCH[2]
+    for ref, res in zip(reference, resumed):  # per rank: each rank's losses on its own data
+        assert_resumed_from(res, ref["saved"][step], step)
+        assert res["restored"]["epoch"] == 2
+        assert min(res["losses"]) == step + 1
+        assert res["losses"] == {s: ref["losses"][s] for s in res["losses"]}
+        assert res["final"]["global_step"] == ref["final"]["global_step"]
+        assert_bitwise(ref["final"]["state"], res["final"]["state"])
+        assert res["lrs"] == {e: ref["lrs"][e] for e in res["lrs"]}  # the lr scheduler resumed
+        assert res["loaders_made"] == 2  # the datamodule's state came back, then made a loader
+
+
+@pytest.mark.parametrize("saved_by,resumed_by", [("ddp_plugin", "ddp_plugin_2_to_1"), ("bcp_ddp", "bcp_ddp_2_to_1"),
+                                                 ("bcp_ddp", "bcp_ddp_to_plugin")])
+def test_ddp_resume_on_one_process(two_processes, back_to_one, saved_by, resumed_by):
+    step = 2 * STEPS_PER_EPOCH[2]
+    resumed = back_to_one[resumed_by]
+    assert_resumed_from(resumed, two_processes[saved_by][0]["saved"][step], step)
+    assert resumed["final"]["global_step"] == step + STEPS_PER_EPOCH[1]
+
+
+def test_fsdp2_one_to_two_and_two_to_one(one_process, two_processes, back_to_one):
+    one_to_two = two_processes["fsdp2_1_to_2"]
+    for rank in one_to_two:
+        assert_resumed_from(rank, saved_at_epoch_end(one_process["mp1"], 1, 1), 2 * STEPS_PER_EPOCH[1])
+    two_to_one = back_to_one["fsdp2_2_to_1"]
+    saved = two_processes["ddp_to_fsdp2"][0]
+    assert_resumed_from(two_to_one, saved["saved"][saved["final"]["global_step"]], saved["final"]["global_step"])
+
+
+@pytest.mark.parametrize("into", ["ddp_to_fsdp2", "ddp_to_tp"])
+def test_ddp_to_model_parallel(two_processes, into):
+    step = 3 * STEPS_PER_EPOCH[2]  # Trainer.save_checkpoint after three epochs
+    for saved, resumed in zip(two_processes["bcp_ddp"], two_processes[into]):
+        assert_resumed_from(resumed, saved["saved"][step], step)
+
+
+def test_tensor_parallel_two_to_fsdp2_one(two_processes, back_to_one):
+    saved = two_processes["ddp_to_tp"][0]
+    step = saved["final"]["global_step"]
+    assert_resumed_from(back_to_one["tp_2_to_fsdp2_1"], saved["saved"][step], step)
+
+
+def test_fsdp1_two_to_one(two_processes, back_to_one):
+    saved = two_processes["fsdp1"][0]
+    step = 2 * STEPS_PER_EPOCH[2]
+    assert_resumed_from(back_to_one["fsdp1_2_to_1"], saved["saved"][step], step)
+
+
+def test_model_checkpoint_top_k_and_last(root, two_processes):
+    for name, kept in [("bcp_ddp", ["epoch=1.ckpt", "epoch=2.ckpt", "explicit.ckpt"]), ("fsdp1", ["epoch=1.ckpt"])]:
+        for rank in two_processes[name]:
+            assert rank["files"] == sorted(kept + ["last.ckpt"])
+    assert os.readlink(f"{root}/ddp_plugin/last.ckpt") == "epoch=3.ckpt"  # save_last="link"
+
+
+def test_plain_bcp_load_of_lightning_checkpoints(root, two_processes):
+    step = 2 * STEPS_PER_EPOCH[2]
+    for saved_by, with_optimizer in [("ddp_plugin", False), ("bcp_ddp", True)]:
+        model = MLP()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+        net = torch.nn.Module()
+        net.net = model  # the LightningModule's attribute name, so the FQNs match
+        state = {"model": net, "lightning": None}
+        if with_optimizer:
+            state["optimizer"] = optimizer
+        bcp.load(f"{root}/{saved_by}/epoch=1.ckpt", state)
+        expected = two_processes[saved_by][0]["saved"][step]
+        for fqn, tensor in net.state_dict().items():
+            assert torch.equal(tensor, expected[f"model/{fqn}"]), fqn
+        if with_optimizer:
+            names = {id(p): n for n, p in net.named_parameters()}
+            for p, per_param in optimizer.state.items():
+                for key, value in per_param.items():
+                    assert torch.equal(value, expected[f"optimizer0/{names[id(p)]}/{key}"])
+            assert optimizer.param_groups[0]["lr"] == two_processes[saved_by][0]["saved_lrs"][step]
+        assert state["lightning"]["global_step"] == step and state["lightning"]["epoch"] == 1
+
+
+def test_bcp_tools_verify_and_export_a_lightning_checkpoint(root, two_processes):
+    from safetensors.torch import load_file
+
+    from bcp.cli import main
+
+    path = f"{root}/ddp_plugin/epoch=1.ckpt"
+    assert main(["verify", path]) == 0
+    assert main(["export", path, "--to", "safetensors", f"{root}/exported"]) == 0
+    exported = load_file(f"{root}/exported/model.safetensors")
+    expected = two_processes["ddp_plugin"][0]["saved"][2 * STEPS_PER_EPOCH[2]]
+    assert exported.keys() == {k[len("model/"):] for k in expected if k.startswith("model/")}
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, expected[f"model/{name}"]), name
+
+
+def test_clear_errors_when_a_resume_cannot_work(back_to_one):
+    assert "keyed by parameter index" in back_to_one["index_keyed_into_fsdp2"]
+    assert "BCPDDPStrategy" in back_to_one["index_keyed_into_fsdp2"]
+    assert "holds no optimizer state" in back_to_one["weights_only_resume"]
