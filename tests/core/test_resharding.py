@@ -43,6 +43,15 @@ LAYOUTS = [
     ("tp", 2, "fsdp2", 2),
     ("fsdp2", 3, "tp", 2),
     ("fsdp2", 2, "fsdp2", 4),
+    # FSDP1: irregular flat shards (several parameters in one flat parameter, padding)
+    ("fsdp1", 2, "fsdp1", 3),
+    ("fsdp1", 3, "fsdp1", 2),
+    ("fsdp1", 2, "fsdp2", 2),
+    ("fsdp1", 2, "plain", 1),
+    ("fsdp1", 2, "ddp", 2),
+    ("plain", 1, "fsdp1", 2),
+    ("fsdp2", 3, "fsdp1_grad_op", 2),
+    ("fsdp1_grad_op", 2, "fsdp1", 4),
 ]
 
 
