@@ -35,10 +35,13 @@ if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
   "${pip[@]}" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_SPEC"
 fi
 
-editables=()
+# bcp-core first: the integrations depend on it by name, and pip resolves that name against an
+# editable project only when the project comes before its dependents.
+editables=(-e "packages/bcp-core[test]")
 for pkg in packages/*/; do
-  [ -f "$pkg/pyproject.toml" ] && editables+=(-e "$pkg[test]")
+  pkg=${pkg%/}
+  [ "$pkg" != packages/bcp-core ] && [ -f "$pkg/pyproject.toml" ] && editables+=(-e "$pkg[test]")
 done
-echo "bootstrap: installing ${#editables[@]} workspace package(s) and test tools"
+echo "bootstrap: installing $(( ${#editables[@]} / 2 )) workspace package(s) and test tools"
 "${pip[@]}" "${editables[@]}" -e ".[test]"
 echo "$want" > "$STAMP"
