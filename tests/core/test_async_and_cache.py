@@ -171,3 +171,18 @@ def test_async_failure_on_one_rank_raises_on_every_rank(ranks, tmp_path):
     messages = ranks(2).run(async_failure_case, str(tmp_path))
     assert all("No space left on device" in m for m in messages)
     assert not any(os.path.exists(os.path.join(tmp_path, g, "COMMITTED")) for g in os.listdir(tmp_path))
+
+
+def test_forked_child_does_not_wait_for_the_parents_saves(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, sys, torch, bcp
+        handle = bcp.save({str(tmp_path)!r}, {{"model": {{"w": torch.arange(4_000_000.0)}}}}, async_save=True)
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a normal interpreter exit in the child: must not wait for the parent's save
+        _, status = os.waitpid(pid, 0)
+        handle.wait()
+        print("child exit", os.waitstatus_to_exitcode(status))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "child exit 0", done.stderr

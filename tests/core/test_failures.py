@@ -83,3 +83,18 @@ def absent_rank(path: str) -> str:
 def test_rank_that_never_joins_fails_the_others_within_the_timeout(ranks, tmp_path):
     messages = ranks(2).run(absent_rank, str(tmp_path))
     assert messages[0].startswith("DistributedError") and "did not call bcp" in messages[0]
+
+
+def value_saved_by_rank1_only(path: str) -> list:
+    state = {"model": {"w": torch.ones(2)}}
+    if dist.get_rank() == 1:
+        state["extra_state"] = {"only": "rank 1"}
+    bcp.save(path, state)
+    out = {"model": {"w": torch.zeros(2)}, "extra_state": None}
+    result = bcp.load(path, out)
+    return [out["extra_state"], result.from_rank0]
+
+
+def test_value_saved_by_one_rank_only_is_given_to_the_others(ranks, tmp_path):
+    assert ranks(2).run(value_saved_by_rank1_only, str(tmp_path)) == [
+        [{"only": "rank 1"}, ["extra_state"]], [{"only": "rank 1"}, []]]

@@ -16,7 +16,7 @@ from bcp.engine.location import Location
 from bcp.engine.reader import ShardReader
 from bcp.engine.redistribute import read_and_share
 from bcp.errors import MismatchError
-from bcp.layout.manifest import Manifest
+from bcp.layout.manifest import Manifest, ObjectEntry
 from bcp.planning.load_plan import ReadOp, check_meta, plan_reads
 from bcp.planning.read_once import assign_readers, read_requests
 from bcp.planning.pieces import is_tensor_value, pieces_of, tensor_meta
@@ -112,11 +112,18 @@ def _read(planned: Outcome, reader: ShardReader, roles: list[Any] | None, coord:
         loaded = {name: wanted[name] for name in result.loaded if name in manifest.tensors}
         for name in objects:
             entry = manifest.objects[name]
-            source = rank if rank < manifest.world_size and entry.ranks[rank] >= 0 else 0
+            source = _source_rank(entry, rank)
             if source != rank and name.split("/", 1)[0] not in RESHARDED:
                 result.from_rank0.append(name)
             loaded[name] = reader.read_object(entry, source, allow_pickle=allow_pickle)
     return loaded
+
+
+def _source_rank(entry: ObjectEntry, rank: int) -> int:
+    """Whose saved value a rank receives: its own, else rank 0's, else the first rank's that saved one."""
+    if rank < len(entry.ranks) and entry.ranks[rank] >= 0:
+        return rank
+    return next(r for r, record in enumerate(entry.ranks) if record >= 0)
 
 
 def _match_names(wanted: dict[str, Any], manifest: Manifest, strict: bool, result: LoadResult) -> None:

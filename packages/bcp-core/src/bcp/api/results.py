@@ -62,6 +62,7 @@ class LoadResult:
     missing: list[str] = field(default_factory=list)
     #: Under ``strict=False``: names saved in a requested component but not asked for.
     unexpected: list[str] = field(default_factory=list)
-    #: Per-rank entries this rank took from rank 0 because it is beyond the saved world size.
+    #: Per-rank entries this rank did not save itself (it is beyond the saved world size, or saved
+    #: none): it received rank 0's value, or the first saving rank's where rank 0 saved none.
     from_rank0: list[str] = field(default_factory=list)
     stats: PhaseStats = field(default_factory=PhaseStats)

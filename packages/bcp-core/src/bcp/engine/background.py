@@ -4,6 +4,7 @@ interpreter waits for every pending save before thread pools shut down, so none 
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -44,3 +45,15 @@ def _wait_at_exit() -> None:
         import atexit
 
         atexit.register(wait_pending)
+
+
+def _forget_in_child() -> None:
+    # A forked child (a DataLoader worker, Megatron's checkpoint process) inherits the parent's
+    # pending saves but not the thread that runs them: waiting for them at its exit would hang.
+    global _executor, _lock
+    _lock = threading.Lock()
+    _executor = None
+    _pending.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
