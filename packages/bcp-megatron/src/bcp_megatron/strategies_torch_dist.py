@@ -1,0 +1,103 @@
+"""The Megatron-facing part for Megatron-Core 0.17 and later, which has no strategy registry and
+whose ``dist_checkpointing.save`` replaces any strategy that is not a ``TorchDistSaveShardedStrategy``
+(or its fully parallel wrapper) with torch_dist. bcp's strategies here subclass the torch_dist ones
+and are passed explicitly::
+
+    dist_checkpointing.save(sd, ckpt_dir, sharded_strategy=BcpSaveShardedStrategy())
+    dist_checkpointing.load(sd, ckpt_dir, sharded_strategy=BcpLoadShardedStrategy())
+
+0.17's ``load`` does not look at ``metadata.json``, so bcp's load strategy tells the formats apart
+itself: a checkpoint with committed bcp generations loads through bcp, any other through torch_dist.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from megatron.core.dist_checkpointing.strategies import fully_parallel
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
+
+import bcp
+from bcp.api.location import resolve
+from bcp.coord import Coordinator
+
+from bcp_megatron.adapter import MegatronAdapter
+from bcp_megatron.completion import completion_request
+from bcp_megatron.load import BcpLoader, read_manifest, sharded_metadata, tensors_metadata
+from bcp_megatron.saving import DEFAULT_IO_THREADS, BcpSaver
+from bcp_megatron.version import BACKEND, VERSION
+
+
+class BcpSaveShardedStrategy(TorchDistSaveShardedStrategy):
+    """bcp's save strategy in torch_dist's clothes (see the module docstring); options as for
+    Megatron-Core 0.16's ``bcp_megatron.strategies.BcpSaveShardedStrategy``. Wrap it in this module's
+    :class:`FullyParallelSaveStrategyWrapper`, or pass ``backend="bcp"`` to Megatron's, so that
+    ``metadata.json`` names bcp."""
+
+    def __init__(self, backend: str = BACKEND, version: int = VERSION, *, allow_pickle: bool = False,
+                 io_threads: int = DEFAULT_IO_THREADS, coordinator: Coordinator | None = None) -> None:
+        super().__init__(backend, version)
+        self.saver = BcpSaver(allow_pickle=allow_pickle, io_threads=io_threads, coordinator=coordinator)
+
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def save(self, sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike") -> None:
+        self.saver.save(sharded_state_dict, checkpoint_dir, async_save=False)
+
+    def async_save(self, sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike",
+                   async_strategy: str = "mcore") -> Any:
+        return completion_request(self.saver.save(sharded_state_dict, checkpoint_dir, async_save=True))
+
+
+class BcpLoadShardedStrategy(TorchDistLoadShardedStrategy):
+    """Loads bcp checkpoints into any layout, and torch_dist checkpoints through torch_dist."""
+
+    def __init__(self, *, allow_pickle: bool = False, verify: bool = True, io_threads: int = DEFAULT_IO_THREADS,
+                 coordinator: Coordinator | None = None, cache_metadata: bool = False) -> None:
+        super().__init__(cache_metadata=cache_metadata)
+        self.loader = BcpLoader(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads,
+                                coordinator=coordinator)
+
+    def can_handle_sharded_objects(self) -> bool:
+        return True
+
+    def load(self, sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike", async_strategy: str = "mcore") -> Any:
+        if not is_bcp_checkpoint(checkpoint_dir):
+            return super().load(sharded_state_dict, checkpoint_dir, async_strategy)
+        return self.loader.load(sharded_state_dict, checkpoint_dir)
+
+    def load_tensors_metadata(self, checkpoint_dir: "str | os.PathLike", metadata: Any = None) -> dict:
+        if not is_bcp_checkpoint(checkpoint_dir):
+            return super().load_tensors_metadata(checkpoint_dir, metadata)
+        return tensors_metadata(read_manifest(checkpoint_dir))
+
+    def load_sharded_metadata(self, checkpoint_dir: "str | os.PathLike") -> dict:
+        if not is_bcp_checkpoint(checkpoint_dir):
+            return super().load_sharded_metadata(checkpoint_dir)
+        return sharded_metadata(read_manifest(checkpoint_dir))
+
+
+class FullyParallelSaveStrategyWrapper(fully_parallel.FullyParallelSaveStrategyWrapper):
+    """Megatron's wrapper, naming the wrapped strategy's backend in ``metadata.json`` (0.17's own
+    names torch_dist unless told otherwise). bcp balances replicated writes itself; the wrapper only
+    redistributes main replicas, which bcp's save does not rely on."""
+
+    def __init__(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("backend", strategy.backend)
+        kwargs.setdefault("version", strategy.version)
+        super().__init__(strategy, *args, **kwargs)
+
+
+def is_bcp_checkpoint(checkpoint_dir: "str | os.PathLike") -> bool:
+    """Whether ``checkpoint_dir`` holds bcp generations (whatever ``metadata.json`` says)."""
+    return bool(resolve(checkpoint_dir, None).generations())
+
+
+def register() -> None:
+    """Megatron-Core 0.17 has no strategy registry: only bcp's framework adapter is registered."""
+    bcp.register_adapter(MegatronAdapter(), priority=100)

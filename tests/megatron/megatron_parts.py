@@ -1,0 +1,190 @@
+"""Real Megatron-Core parts on the CPU for the bcp-megatron cases: a small GPTModel in any TP/PP
+layout, Megatron's DistributedOptimizer (with the CPU patches it needs), and the assembly of
+every rank's ShardedTensor pieces into whole tensors for bitwise comparison."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+VOCAB, SEQ, HIDDEN, HEADS = 64, 8, 16, 4
+
+
+@contextlib.contextmanager
+def parallel(tp: int = 1, pp: int = 1) -> Iterator[None]:
+    """Megatron's process groups for this case, destroyed afterwards (the rank pool is shared)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def gpt(seed: int, num_layers: int = 4, tied: bool = True) -> torch.nn.Module:
+    """This rank's stage of a GPTModel in the current parallel layout (deterministic per seed)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pipeline_dtype=torch.float32)
+    torch.manual_seed(seed)
+    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage(),
+                    share_embeddings_and_output_weights=tied)
+
+
+def scramble(model: torch.nn.Module) -> None:
+    """Overwrite every parameter, so a load that leaves one untouched is caught."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(-7.0)
+
+
+def main_pieces(sharded_state_dict: Any) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
+    """This rank's main-replica tensor pieces as ``(key, global shape, offsets, box-shaped copy)``,
+    without the distributed optimizer's padding pieces (uninitialised memory, marked ``padding``)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor, is_main_replica
+
+    if isinstance(sharded_state_dict, dict):
+        padding = sharded_state_dict.get("padding")
+        if isinstance(padding, LocalNonpersistentObject) and padding.unwrap():
+            return []
+        return [piece for value in sharded_state_dict.values() for piece in main_pieces(value)]
+    if isinstance(sharded_state_dict, list):
+        return [piece for value in sharded_state_dict for piece in main_pieces(value)]
+    value = sharded_state_dict
+    if not (isinstance(value, ShardedTensor) and is_main_replica(value.replica_id)):
+        return []
+    data = value.data.detach().clone()
+    for _ in range(value.prepend_axis_num):
+        data = data.unsqueeze(0)
+    return [(value.key, tuple(value.global_shape), tuple(value.global_offset), data)]
+
+
+def assemble(per_rank: list[list[tuple[str, tuple, tuple, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    """Whole tensors from every rank's main pieces (zeros where only padding lies); no element may
+    be covered twice."""
+    full: dict[str, torch.Tensor] = {}
+    count: dict[str, torch.Tensor] = {}
+    for pieces in per_rank:
+        for key, shape, offsets, data in pieces:
+            region = tuple(slice(o, o + n) for o, n in zip(offsets, data.shape))
+            full.setdefault(key, torch.zeros(shape, dtype=data.dtype))[region] = data
+            count.setdefault(key, torch.zeros(shape, dtype=torch.int32))[region] += 1
+    for key, seen in count.items():
+        assert torch.all(seen <= 1), f"{key}: main replicas overlap"
+    return full
+
+
+def assert_bitwise(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == actual.keys(), sorted(expected.keys() ^ actual.keys())
+    for key, value in expected.items():
+        other = actual[key]
+        assert value.dtype == other.dtype and value.shape == other.shape, key
+        assert torch.equal(value.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8)), key
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+@contextlib.contextmanager
+def cpu_megatron_optimizer() -> Iterator[None]:
+    """Megatron's DDP and DistributedOptimizer assume CUDA (``device='cuda'`` tensors, type names
+    like ``torch.cuda.FloatTensor``); these patches map them to the CPU for the duration of a case
+    and restore everything after. They are the test's business: bcp's own path needs none."""
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as optimizer_module
+    import megatron.core.utils as core_utils
+
+    class CpuTorch(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+    def on_cpu(factory: Any) -> Any:
+        def make(*args: Any, device: Any = None, **kwargs: Any) -> Any:
+            return factory(*args, device="cpu" if device is not None and "cuda" in str(device) else device, **kwargs)
+        return make
+
+    cpu_torch = CpuTorch("torch")
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(cpu_torch, name, on_cpu(getattr(torch, name)))
+    tensor_type = torch.Tensor.type
+
+    def cuda_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return tensor_type(self, *args, **kwargs)
+        return tensor_type(self).replace("torch.", "torch.cuda.", 1)
+
+    saved = [(torch.cuda, "current_device", torch.cuda.current_device),
+             (torch.cuda, "synchronize", torch.cuda.synchronize),
+             (torch.Tensor, "cuda", torch.Tensor.cuda),
+             (torch.nn.Parameter, "type", torch.nn.Parameter.__dict__.get("type")),
+             *[(m, "torch", m.torch) for m in (clip_grads, optimizer_module, core_utils)]]
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.nn.Parameter.type = cuda_type
+    for module in (clip_grads, optimizer_module, core_utils):
+        module.torch = cpu_torch
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            if value is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+def distributed_optimizer(model: torch.nn.Module) -> tuple[Any, Any]:
+    """Megatron DDP around ``model`` and a DistributedOptimizer (Adam) over it (inside
+    :func:`cpu_megatron_optimizer`)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                  model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True,
+                        clip_grad=0.0), [ddp])
+    return ddp, optimizer
+
+
+def step(model: torch.nn.Module, optimizer: Any, seed: int) -> None:
+    """One optimizer step with gradients that depend only on the parameter names and ``seed``
+    (identical on every data-parallel rank, so no gradient reduction is needed)."""
+    for name, param in model.named_parameters():
+        g = torch.Generator().manual_seed(seed * 1000 + sum(map(ord, name)))
+        param.main_grad.copy_(torch.randn(param.shape, generator=g))
+    updated, _, _ = optimizer.step()
+    assert updated
+
+
+def prime_for_load(optimizer: Any) -> None:
+    """Without Apex or Transformer Engine, a DistributedOptimizer that never stepped has no 'step'
+    to build its state dict from; Megatron's own dummy-state initialisation gives it one (the
+    loaded checkpoint then overwrites parameters and state)."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner._init_optimizer_states_with_dummy_values()
+
+
+def unshare_steps(optimizer: Any) -> None:
+    """Without Apex or Transformer Engine, Megatron's DistributedOptimizer.load_state_dict gives
+    every parameter the same 'step' tensor, which torch's Adam then increments once per parameter;
+    each parameter gets its own copy, as after a regular step."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in inner.optimizer.state.values():
+            state["step"] = state["step"].clone()
