@@ -1,7 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Both set up .venv on first use.
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-quick bench clean
+.PHONY: setup demo test test-quick bench bench-full clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -16,8 +16,12 @@ test: setup
 test-quick: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not distributed" tests
 
+# Side-by-side benchmarks (docs/benchmarks.md): a quick run, or the ~2 GB one on a quiet machine.
 bench: setup
-	$(PY) benchmarks/run.py
+	$(PY) benchmarks/run.py --quick
+
+bench-full: setup
+	$(PY) benchmarks/run.py --full
 
 clean:
 	rm -rf .venv

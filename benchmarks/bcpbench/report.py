@@ -1,0 +1,211 @@
+"""``docs/benchmarks.md`` from one run's record: the targets, then every case's table (medians,
+bandwidth, ratio to the disk's floor and to DCP), then the single figures."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from bcpbench import distributed as d2
+from bcpbench import fsdp1
+from bcpbench import single as d1
+from bcpbench.methods import FIRST_SAVE
+from bcpbench.record import Record
+from bcpbench.targets import BARE_COPY, DCP, MEMCPY, checks, floor_seconds, per_tensor_ms, ratio
+
+SECTIONS = [
+    ("1 process", [d1.SAVE, d1.COLD, d1.WARM]),
+    ("2 processes, DTensor Shard(0)", [d2.SAVE_SHARDED, d2.COLD_SAME, d2.WARM_SAME, d2.RESHARDED, d2.TO_ONE]),
+    ("2 processes, DTensor Shard(1) loaded as Shard(0)", [d2.SAVE_COLUMNS, d2.ROWS_FROM_COLUMNS]),
+    ("2 processes, DP-replicated", [d2.SAVE_REPLICATED, d2.LOAD_REPLICATED]),
+    ("Async save, 1 process", [d1.ASYNC_BLOCK, d1.ASYNC_TOTAL]),
+    ("FSDP1 save (issue 3)", [fsdp1.BLOCKING, fsdp1.TOTAL]),
+]
+
+
+def render(record: Record, run: dict[str, Any], notes: list[str]) -> str:
+    lines = [f"# Benchmarks{' (quick run)' if run['profile'] == 'quick' else ''}", ""]
+    lines += [f"> {note}" for note in notes] + ([""] if notes else [])
+    lines += _run_facts(run)
+    lines += ["## Targets", "", ("Ratios to what was measured in the same run. `x` = times as fast "
+              "(bandwidth ratio); `%` and `ms` = as stated."), "",
+              "| target | where | measured | goal | verdict |", "| --- | --- | --- | --- | --- |"]
+    for c in checks(record):
+        measured = "not measured" if c.measured is None else f"{c.measured:.3g}{c.unit}"
+        goal = f"{'>=' if c.at_least else '<='} {c.goal:g}{c.unit}"
+        verdict = {True: "met", False: "**missed**", None: "-"}[c.met]
+        lines.append(f"| {c.target} | {c.where} | {measured} | {goal} | {verdict} |")
+    lines.append("")
+    for title, cases in SECTIONS:
+        present = [c for c in cases if c in record.samples]
+        if present:
+            lines += [f"## {title}", ""]
+            for case in present:
+                lines += _case_table(record, case)
+    lines += _per_tensor(record) + _phases(record) + _fsdp1_figures(record) + _memory(record)
+    lines += _planning_scale(run.get("planning_scale")) + _megatron() + _peer() + _reading()
+    return "\n".join(lines) + "\n"
+
+
+def _run_facts(run: dict[str, Any]) -> list[str]:
+    m = run["machine"]
+    return ["## How this was measured", "",
+            f"- Command: `{run['command']}` ({run['started']}, {run['minutes']:.1f} min).",
+            (f"- State: GPT-like fp32 tensors, {run['state_mb']:.0f} MB, {run['tensors']} tensors; "
+             f"{run['reps']} timed repetitions after one untimed warm-up round, interleaved (each repetition "
+             "runs every method once, in a rotating order); medians reported, spread in brackets."),
+            (f"- Machine: {m['cores']} cores, {m['ram_gb']:.0f} GB RAM, load average {m['load_before']} before and "
+             f"{m['load_after']} after; disk free {m['disk_free_gb']:.0f} GB; torch threads: 1 process "
+             f"{run['torch_threads_1p']}, 2 processes 1 each."),
+            f"- Versions: {run['versions']}.",
+            ("- Saves are durable: bcp and DCP fsync their files; torch.save and safetensors are followed by an "
+             "fsync of their file. The raw floor writes the same bytes from tensor memory into 1 or "
+             f"{run['io_threads']} files in parallel and fsyncs them; its faster median is the floor."),
+            ("- Cold loads: every file is fsync'd, then dropped from the page cache "
+             "(`posix_fadvise(POSIX_FADV_DONTNEED)`). Warm loads follow a cold load of the same files."),
+            ("- Every load ends with the bytes in preallocated live tensors: bcp and DCP load in place; "
+             "torch.load and safetensors' load_file (a memory map) are followed by a copy into them, as "
+             "`load_state_dict` would do. `bcp, load with verify=False` skips checksum verification (bcp "
+             "verifies by default), to show its cost."),
+            ("- Columns: `vs floor` = the floor's median time / this median time (1.00x = as fast as the disk, "
+             "or as a memcpy for warm loads and async blocking); `vs DCP` = DCP's median time / this one."),
+            ("- Planning figures are the `plan` phase of bcp's own per-save stats (`handle.stats.seconds`): the "
+             "local plan, the exchange that agrees on reusing a cached plan, and the global plan when not "
+             "cached."),
+            (f"- `bcp` rows are steady-state saves (plan cached); `bcp, first save of the structure` plans anew. "
+             f"DCP tuned = `FileSystemWriter(thread_count={run['dcp_threads']})`; bcp uses "
+             f"`io_threads={run['io_threads']}`."), ""]
+
+
+def _case_table(record: Record, case: str) -> list[str]:
+    nbytes = record.nbytes.get(case)
+    copy = record.median(case, MEMCPY) or record.median(case, BARE_COPY)
+    reference = copy if copy is not None else floor_seconds(record, case)
+    dcp_name = DCP if DCP in record.samples[case] else next((m for m in record.samples[case] if "DCP" in m), None)
+    dcp = record.median(case, dcp_name) if dcp_name else None
+    size = f", {nbytes / 1e6:.0f} MB" if nbytes else ""
+    lines = [f"### {case}{size}", "", f"| method | median s | GB/s | vs floor | vs {dcp_name or 'DCP'} | spread s |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for method, values in record.samples[case].items():
+        t = statistics.median(values)
+        bandwidth = f"{nbytes / t / 1e9:.2f}" if nbytes else "-"
+        lines.append(f"| {method} | {t:.4g} | {bandwidth} | {_x(ratio(reference, t))} | {_x(ratio(dcp, t))} | "
+                     f"[{min(values):.3g}, {max(values):.3g}] |")
+    return lines + [""]
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _per_tensor(record: Record) -> list[str]:
+    workload = record.figures.get("per-tensor workload")
+    if not workload:
+        return []
+    lines = ["## Per-tensor overhead", "",
+             (f"{workload['tensors']} tensors of {workload['bytes_each']} bytes vs the same bytes as one tensor "
+              "(1 process, files warm for loads): (median for many - median for one) / count."), "",
+             "| method | save ms/tensor | load ms/tensor |", "| --- | --- | --- |"]
+    for method in ("bcp", FIRST_SAVE, DCP):
+        save = per_tensor_ms(record, "per-tensor: save", method)
+        load = per_tensor_ms(record, "per-tensor: load warm", method)
+        lines.append(f"| {method} | {_ms(save)} | {_ms(load)} |")
+    return lines + [""]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _phases(record: Record) -> list[str]:
+    keys = sorted(k for k in record.figures if k.startswith(("bcp save phases", "bcp load phases")))
+    if not keys:
+        return []
+    lines = ["## bcp per-phase seconds (medians, rank 0)", "", "| what | phases |", "| --- | --- |"]
+    for key in keys:
+        value = record.figures[key]
+        samples = value if isinstance(value, list) else [value]
+        phases = {p: statistics.median(s[p] for s in samples if p in s) for p in samples[0]}
+        lines.append(f"| {key} | " + ", ".join(f"{p} {s:.4g}" for p, s in phases.items()) + " |")
+    return lines + [""]
+
+
+def _fsdp1_figures(record: Record) -> list[str]:
+    model = record.figures.get("fsdp1 model")
+    if not model:
+        return []
+    state_dict = record.figures.get("DCP get_state_dict seconds, FSDP1 (rank 0)") or []
+    lines = ["## FSDP1 notes", "",
+             (f"Model: {fsdp1.BLOCKS} blocks, hidden {model['hidden']}, each block its own FSDP unit "
+              f"(`use_orig_params=True`, FULL_SHARD), AdamW after one step: {model['saved_bytes'] / 1e6:.0f} MB "
+              "of parameters and moments.")]
+    if state_dict:
+        lines.append(f"DCP's `get_state_dict` alone (FSDP's sharded state dict, which all-gathers): median "
+                     f"{statistics.median(state_dict):.3g} s of its blocking time. bcp reads each rank's local "
+                     "flat shards and issues no collective beyond its planning exchange.")
+    return lines + [""]
+
+
+def _memory(record: Record) -> list[str]:
+    m = record.figures.get("memory")
+    if not m:
+        return []
+    after = m["rss_after_each_call"]
+    mb = 1e6
+    lines = ["## Host memory over consecutive async saves", "",
+             (f"{m['saves']} bcp async saves of a {m['state_bytes'] / mb:.0f} MB state in a fresh process, each "
+              "followed by an in-place change of every tensor (no wait in between); the last checkpoint was "
+              "checked against the state at its call."), "",
+             "| figure | MB |", "| --- | --- |",
+             f"| RSS before the first save (the state) | {m['baseline_rss'] / mb:.0f} |",
+             (f"| RSS after save 1 / 2 / {m['saves']} returned | {after[0] / mb:.0f} / {after[1] / mb:.0f} / "
+              f"{after[-1] / mb:.0f} |"),
+             f"| growth from save 2 to save {m['saves']} | {(after[-1] - after[1]) / mb:+.0f} |"]
+    if m["peak_rss"] is not None:
+        lines.append(f"| peak RSS over the {m['saves']} saves | {m['peak_rss'] / mb:.0f} |")
+    for key in sorted(k for k in record.figures if k.startswith("peak RSS of")):
+        lines.append(f"| {key} | {record.figures[key] / mb:.0f} |")
+    blocking = m["blocking_seconds"]
+    lines += ["", (f"Blocking per call: median {statistics.median(blocking):.3g} s, max {max(blocking):.3g} s "
+               "(a call waits while both host buffers are still being written); all "
+               f"{m['saves']} committed after {m['total_seconds']:.3g} s."), ""]
+    return lines
+
+
+def _planning_scale(figures: dict | None) -> list[str]:
+    if not figures:
+        return []
+    lines = ["## Planning at scale (`benchmarks/planning_scale.py`)", "",
+             ("The coordinator's work for a Llama-405B-shaped model on TP8 x PP16 x DP70 from shapes only, one "
+              "process (targets: < 10 s coordinator total, < 2 s manifest parse)."), "",
+             "| figure | value |", "| --- | --- |"]
+    lines += [f"| {key} | {value} |" for key, value in figures.items()]
+    return lines + [""]
+
+
+def _peer() -> list[str]:
+    return ["## Not measured: ByteCheckpoint 0.0.2", "",
+            ("The PyPI release pins torch <= 2.5.0, grpcio 1.69 and protobuf 3.20.3. On PyPI, torch 2.5 for Linux "
+             "is the CUDA build with its NVIDIA wheels (several GB); no CPU build of it can be installed from the "
+             "registries reachable here, so a separate venv for it was judged impractical."), ""]
+
+
+def _megatron() -> list[str]:
+    return ["## Megatron-Core: bcp vs torch_dist", "",
+            ("Measured by `examples/megatron/benchmark.py` on a real GPTModel (TP1/DP2 and TP2, 2 processes); "
+             "its table and the conditions of that run are in `docs/megatron.md`."), ""]
+
+
+def _reading() -> list[str]:
+    return ["## Reading a missed target", "",
+            ("- Loads: compare `bcp` with `bcp, load with verify=False` (same files): the difference is the "
+             "crc32c verification of every byte read, which bcp does by default; the per-phase table splits "
+             "loads into metadata, plan, read and apply."),
+            ("- Re-planning: the figure is bcp's whole `plan` phase of a save (its local plan and digest, the "
+             "agreement on reuse, and the global plan when not cached), not only the part a cache hit skips."),
+            ("- Resharded loads on one machine: a piece read by both processes is read from the disk once, the "
+             "second read hits the page cache, so reading whole pieces (DCP) costs less here than on a shared "
+             "file system. Shard(0) -> Shard(1) needs a strided half of every saved piece, whose byte span is "
+             "nearly the whole piece for any reader; Shard(1) -> Shard(0) needs a contiguous half."),
+            ("- Floors and memcpy are medians of the same interleaved rounds; on a busy machine their spread "
+             "(shown per row) is as wide as the methods'."), ""]

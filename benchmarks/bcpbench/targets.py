@@ -1,0 +1,94 @@
+"""The issue's targets, checked against one run's medians. Every figure is a ratio to something
+measured in the same run (the disk's floors, a bare copy, DCP), so a slow or busy machine moves
+both sides alike; a target missed is reported as missed with its measured ratio."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from bcpbench import distributed as d2
+from bcpbench import single as d1
+from bcpbench.methods import FIRST_SAVE
+from bcpbench.record import Record
+
+BCP, DCP = "bcp", "DCP"
+BARE_COPY, MEMCPY = "bare copy into reused buffers", "memcpy"
+
+
+@dataclass
+class Check:
+    target: str
+    where: str
+    measured: float | None  # None: not measured in this run
+    goal: float
+    at_least: bool  # the measured ratio must be >= goal (else <= goal)
+    unit: str = "x"
+
+    @property
+    def met(self) -> bool | None:
+        if self.measured is None:
+            return None
+        return self.measured >= self.goal if self.at_least else self.measured <= self.goal
+
+
+def floor_seconds(record: Record, case: str) -> float | None:
+    """The fastest raw transfer of the case's bytes (1 or several threads): the disk's floor."""
+    raws = [record.median(case, m) for m in record.samples.get(case, {}) if m.startswith("raw ")]
+    raws = [r for r in raws if r is not None]
+    return min(raws) if raws else None
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def per_tensor_ms(record: Record, case: str, method: str) -> float | None:
+    """(time for N small tensors - time for the same bytes as one tensor) / N, in ms."""
+    many, one = record.median(f"{case}, many", method), record.median(f"{case}, one", method)
+    count = record.figures.get("per-tensor workload", {}).get("tensors")
+    return (many - one) / count * 1e3 if many is not None and one is not None and count else None
+
+
+def plan_share(record: Record, label: str) -> float | None:
+    """Median plan seconds of steady-state saves over those of first saves of the structure."""
+    cached = [p["plan"] for p in record.figures.get(f"bcp save phases, {label}", [])]
+    first = [p["plan"] for p in record.figures.get(f"bcp save phases, {label} first", [])]
+    return ratio(statistics.median(cached), statistics.median(first)) if cached and first else None
+
+
+def checks(record: Record) -> list[Check]:
+    out: list[Check] = []
+    for case in (d1.SAVE, d2.SAVE_SHARDED, d2.SAVE_COLUMNS, d2.SAVE_REPLICATED):
+        out.append(Check("sync save vs raw fsync'd write", case,
+                         ratio(floor_seconds(record, case), record.median(case, BCP)), 0.9, True))
+    for case in (d1.COLD, d2.COLD_SAME, d2.RESHARDED, d2.TO_ONE, d2.ROWS_FROM_COLUMNS):
+        out.append(Check("cold load vs raw cold read", case,
+                         ratio(floor_seconds(record, case), record.median(case, BCP)), 0.9, True))
+    for case in (d1.WARM, d2.WARM_SAME):
+        out.append(Check("warm load vs memcpy of the state", case,
+                         ratio(record.median(case, MEMCPY), record.median(case, BCP)), 0.8, True))
+    out.append(Check("async blocking vs bare copy into reused buffers", d1.ASYNC_BLOCK,
+                     ratio(record.median(d1.ASYNC_BLOCK, "bcp async_save"), record.median(d1.ASYNC_BLOCK, BARE_COPY)),
+                     1.5, False))
+    for label, where in (("2p", d2.SAVE_SHARDED), ("1p", d1.SAVE), ("per-tensor many", "per-tensor: save, many")):
+        share = plan_share(record, label)
+        out.append(Check("cached re-planning vs first planning", where,
+                         None if share is None else share * 100, 2.0, False, "%"))
+    for case, method, what in (("per-tensor: save", BCP, "save, cached plan"),
+                               ("per-tensor: save", FIRST_SAVE, "save, first of the structure"),
+                               ("per-tensor: load warm", BCP, "warm load")):
+        out.append(Check("per-tensor overhead", what, per_tensor_ms(record, case, method), 0.05, False, " ms"))
+    for case in (d1.SAVE, d2.SAVE_SHARDED, d2.SAVE_COLUMNS, d2.SAVE_REPLICATED):
+        out.append(Check("save speed vs DCP", case, ratio(record.median(case, DCP), record.median(case, BCP)),
+                         1.5, True))
+    for case in (d1.COLD, d2.COLD_SAME):
+        out.append(Check("cold load speed vs DCP", case, ratio(record.median(case, DCP), record.median(case, BCP)),
+                         1.5, True))
+    for case in (d2.RESHARDED, d2.TO_ONE, d2.ROWS_FROM_COLUMNS):
+        out.append(Check("resharded load speed vs DCP", case,
+                         ratio(record.median(case, DCP), record.median(case, BCP)), 2.0, True))
+    share = ratio(record.median(d1.ASYNC_BLOCK, "bcp async_save"), record.median(d1.SAVE, DCP))
+    out.append(Check("async blocking vs a DCP sync save", d1.ASYNC_BLOCK + " / " + d1.SAVE,
+                     None if share is None else share * 100, 10.0, False, "%"))
+    return out
