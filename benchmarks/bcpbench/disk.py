@@ -9,12 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from bcp.engine.bytes_of import byte_view
+
 IO_CHUNK = 64 << 20  # bytes per os.write / preadv call: large enough to stream, bounded for the kernel
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def fsync_dir(path: str) -> None:
