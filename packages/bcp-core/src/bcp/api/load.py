@@ -19,7 +19,8 @@ from bcp.errors import MismatchError
 from bcp.layout.manifest import Manifest, ObjectEntry
 from bcp.planning.load_plan import ReadOp, check_meta, plan_reads
 from bcp.planning.read_once import assign_readers, read_requests
-from bcp.planning.pieces import is_tensor_value, pieces_of, tensor_meta
+from bcp.layout.shards import is_tensor_value
+from bcp.planning.pieces import pieces_of, tensor_meta
 from bcp.storage import Storage
 
 _LISTED = 20  # names shown in a strict-mode error before "and N more"

@@ -22,7 +22,8 @@ from bcp.engine.staging import HostBufferPool, stage, staged_nbytes
 from bcp.engine.writer import PieceWrite, piece_writes, write_rank
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK
 from bcp.layout.values import EncodedValue, encode_value
-from bcp.planning.pieces import Piece, is_tensor_value, pieces_of, tensor_meta
+from bcp.layout.shards import is_tensor_value
+from bcp.planning.pieces import Piece, pieces_of, tensor_meta
 from bcp.planning.plan_cache import CachedPlan, PlanCache
 from bcp.planning.save_plan import global_plan, local_plan, plan_digest
 from bcp.storage import Storage

@@ -37,14 +37,14 @@ class ShardReader:
         self._count_lock = threading.Lock()
 
     def run(self, ops: list[ReadOp], threads: int) -> None:
-        tasks = [task for op in ops for task in self._tasks(op)]
+        tasks = [task for op in ops for task in self.tasks(op)]
         if not tasks:
             return
         with ThreadPoolExecutor(max_workers=max(1, min(threads, len(tasks))), thread_name_prefix="bcp-read") as pool:
             for future in [pool.submit(task) for task in tasks]:
                 future.result()
 
-    def _tasks(self, op: ReadOp) -> list[Callable[[], None]]:
+    def tasks(self, op: ReadOp) -> list[Callable[[], None]]:
         """How to execute one read: straight into the destination's memory when the saved bytes
         are exactly its bytes (split into parts, so one large shard is read by several threads),
         else through a scratch buffer and a strided copy."""

@@ -27,7 +27,7 @@ def read_and_share(reader: ShardReader, ops: list[ReadOp], roles: list[list[Any]
     reads = [(op, role) for op, role in zip(ops, roles) if role[0] == READ]
     sends = []
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="bcp-read") as pool:
-        pending = [(op, role, [pool.submit(task) for task in reader._tasks(op)]) for op, role in reads]
+        pending = [(op, role, [pool.submit(task) for task in reader.tasks(op)]) for op, role in reads]
         for op, (_, transfer, receivers), futures in pending:
             for future in futures:
                 future.result()

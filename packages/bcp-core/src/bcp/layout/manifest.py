@@ -52,10 +52,6 @@ class TensorEntry:
         return self._shards
 
     @property
-    def shard_count(self) -> int:
-        return len(self._shards) if self._shards is not None else self._count
-
-    @property
     def component(self) -> str:
         return component_of(self.name)
 

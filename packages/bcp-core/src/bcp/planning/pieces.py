@@ -13,7 +13,7 @@ import torch
 
 from bcp.errors import UnsupportedValueError
 from bcp.layout.box import Box, flat_range_to_boxes
-from bcp.layout.shards import FlatShard, TensorShard, is_tensor_value  # noqa: F401 (re-exported)
+from bcp.layout.shards import FlatShard, TensorShard
 
 
 @dataclass(slots=True)
