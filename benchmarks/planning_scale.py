@@ -22,9 +22,10 @@ import msgpack
 import numpy as np
 
 from bcp.engine.commit import build_manifest
+from bcp.engine.writer import RankWrites
 from bcp.layout.box import flat_range_to_boxes
 from bcp.layout.manifest import Manifest
-from bcp.planning.save_plan import global_plan, plan_pieces
+from bcp.planning.save_plan import PlanColumns, global_plan, plan_pieces
 
 LAYERS, HIDDEN, FFN, KV_HEADS, HEAD_DIM, VOCAB = 126, 16384, 53248, 8, 128, 128256
 
@@ -160,7 +161,8 @@ def main() -> None:
     plans = [msgpack.unpackb(w) for w in wire]
     unpacked = time.perf_counter() - t0
     t0 = time.perf_counter()
-    writes_plan = global_plan(plans)
+    columns = PlanColumns(plans)
+    writes_plan = global_plan(columns)
     planned = time.perf_counter() - t0
 
     # Every rank reports where it wrote its share (synthetic byte locations), as after a save.
@@ -177,10 +179,10 @@ def main() -> None:
             nbytes = int(np.prod(shape)) * size
             rows.append([spec, 0, offset, nbytes, [0] * max(1, -(-nbytes // chunk))])
             offset += nbytes
-        writes.append([[f"data/{rank:05d}-00.bin"], rows, [], False])
+        writes.append(RankWrites([f"data/{rank:05d}-00.bin"], rows).to_wire())
     t0 = time.perf_counter()
     manifest = build_manifest(generation=1, framework="megatron", checksum_chunk=4 << 20, writer="bench",
-                              local_plans=plans, writes=writes)
+                              columns=columns, writes=writes)
     data, table = manifest.encode()
     assembled = time.perf_counter() - t0
     shards = sum(len(e.shards) for e in manifest.tensors.values())

@@ -11,6 +11,8 @@ WRAPPER_PREFIXES = ("module", "_fsdp_wrapped_module", "_orig_mod", "_checkpoint_
 
 
 def canonical(name: str) -> str:
+    if not any(prefix in name for prefix in WRAPPER_PREFIXES):  # most names: no wrapper to remove
+        return name
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PREFIXES)
 
 

@@ -14,10 +14,7 @@ from bcp.adapters.base import FrameworkAdapter
 from bcp.adapters.fqn import canonical_map
 from bcp.adapters.optimizer import apply_optimizer_values, optimizer_values
 from bcp.errors import AdapterError
-
-
-def is_dtensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and hasattr(value, "device_mesh") and hasattr(value, "placements")
+from bcp.layout.shards import is_dtensor
 
 
 def _tensors(model: Any) -> list[Any]:

@@ -11,8 +11,8 @@ from typing import Iterator
 
 @dataclass
 class PhaseStats:
-    """Seconds per phase and bytes moved on this rank (phases: plan, stage, write, commit; metadata,
-    read, apply)."""
+    """Seconds per phase and bytes moved on this rank (save: collect, plan, stage, write, commit;
+    load: metadata, plan, read, apply)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     #: Bytes written (save) or read from storage (load) by this rank.

@@ -5,9 +5,11 @@ asynchronous one returns once its tensors are staged in host memory and commits 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from bcp.adapters import adapter_for
+from bcp.api.gc_pause import paused_gc
 from bcp.api.components import RESHARDED, check_keys, collect
 from bcp.api.location import resolve
 from bcp.api.results import PhaseStats, SaveHandle
@@ -25,7 +27,7 @@ from bcp.layout.values import EncodedValue, encode_value
 from bcp.layout.shards import is_tensor_value
 from bcp.planning.pieces import Piece, pieces_of, tensor_meta
 from bcp.planning.plan_cache import CachedPlan, PlanCache
-from bcp.planning.save_plan import global_plan, local_plan, plan_digest
+from bcp.planning.save_plan import PlanColumns, global_plan, local_plan, structure_key
 from bcp.storage import Storage
 from bcp.version import __version__
 
@@ -57,16 +59,23 @@ def save(
     checks, by checksum, that replicated tensors agree across ranks.
     """
     check_keys(state)
-    coord = coordinator or default_coordinator()
+    with paused_gc():
+        return _save(path, state, framework, async_save, role, coordinator or default_coordinator(),
+                     allow_pickle, verify_replicas, io_threads)
+
+
+def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], framework: str | None,
+          async_save: bool, role: str | None, coord: Coordinator, allow_pickle: bool, verify_replicas: bool,
+          io_threads: int) -> SaveHandle:
     location = resolve(path, role)
     stats = PhaseStats()
-    adapter = adapter_for(state, framework) if any(k in state for k in RESHARDED) else None
-
+    with stats.phase("collect"):
+        adapter = adapter_for(state, framework) if any(k in state for k in RESHARDED) else None
+        collected = Outcome.of(lambda: _collect(state, adapter, allow_pickle, verify_replicas))
     with stats.phase("plan"):
-        prepared = Outcome.of(lambda: _prepare(state, adapter, allow_pickle, verify_replicas))
-        pieces, objects, plan = prepared.value if prepared.error is None else ([], [], None)
-        generation, cached = _agree_on_plan(coord, location, plan, prepared.error, cache=not verify_replicas)
-    writes = piece_writes(pieces, cached.writes)
+        generation, cached = _agree_on_plan(coord, location, collected, cache=not verify_replicas)
+    objects = collected.value.objects
+    writes = piece_writes(collected.value.pieces, cached.writes)
     framework_name = adapter.name if adapter else "none"
 
     if not async_save:
@@ -97,8 +106,22 @@ def wait_pending_saves() -> None:
     background.wait_pending()
 
 
-def _prepare(state: Mapping[str, Any], adapter: Any, allow_pickle: bool,
-             verify_replicas: bool) -> tuple[list[Piece], list[tuple[str, EncodedValue]], list[Any]]:
+@dataclass
+class _Collected:
+    """A rank's state as the planner sees it: tensor declarations, pieces and encoded values, and
+    the structure key the plan cache compares."""
+
+    tensors: list[tuple[str, Any, tuple[int, ...]]]
+    pieces: list[Piece]
+    objects: list[tuple[str, EncodedValue]]
+    replica_crcs: list[int] | None
+    structure: tuple
+
+    def local_plan(self) -> list[Any]:
+        return local_plan(self.tensors, self.pieces, self.replica_crcs)
+
+
+def _collect(state: Mapping[str, Any], adapter: Any, allow_pickle: bool, verify_replicas: bool) -> _Collected:
     tensors: list[tuple[str, Any, tuple[int, ...]]] = []
     pieces: list[Piece] = []
     objects: list[tuple[str, EncodedValue]] = []
@@ -109,33 +132,33 @@ def _prepare(state: Mapping[str, Any], adapter: Any, allow_pickle: bool,
         else:
             objects.append((name, encode_value(value, key=name, allow_pickle=allow_pickle)))
     crcs = [crc_of(byte_view(host_contiguous(p.tensor))) for p in pieces] if verify_replicas else None
-    return pieces, objects, local_plan(tensors, pieces, crcs)
+    return _Collected(tensors, pieces, objects, crcs, structure_key(tensors, pieces))
 
 
-def _agree_on_plan(coord: Coordinator, location: Location, plan: list[Any] | None,
-                   error: BaseException | None, cache: bool) -> tuple[int, CachedPlan]:
-    """The generation to write and this rank's share of the global plan. When every rank's plan
-    is unchanged since the previous save, the cached global plan is reused after one small
-    exchange; otherwise local plans are gathered and planned again."""
+def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome,
+                   cache: bool) -> tuple[int, CachedPlan]:
+    """The generation to write and this rank's share of the global plan. When every rank's
+    structure is unchanged since the previous save, the cached global plan is reused after one
+    small exchange; otherwise local plans are gathered and planned again."""
     key = coord.cache_key()
-    digest = plan_digest(plan) if plan is not None else b""
-    hit = _plan_cache.get(key, digest) if cache else None
+    structure = collected.value.structure if cache and collected.error is None else None
+    hit = _plan_cache.get(key, structure) if structure is not None else None
     what = f"planning the save of {location.display}"
 
     def agree(flags: list[bool]) -> list[Any]:
         return [[_next_generation(location), all(flags)]] * coord.world_size
 
-    generation, reuse = gather_then_reply(coord, Outcome(hit is not None, error), agree, what)
+    generation, reuse = gather_then_reply(coord, Outcome(hit is not None, collected.error), agree, what)
     if reuse:
         return generation, hit
     kept: dict[str, Any] = {}
 
     def plan_globally(plans: list[Any]) -> list[Any]:
-        kept["plans"] = plans
-        return global_plan(plans)
+        kept["columns"] = columns = PlanColumns(plans)
+        return global_plan(columns)
 
-    writes = gather_then_reply(coord, Outcome(plan), plan_globally, what)
-    planned = CachedPlan(digest, writes, kept.get("plans"))
+    writes = gather_then_reply(coord, Outcome.of(collected.value.local_plan), plan_globally, what)
+    planned = CachedPlan(structure, writes, kept.get("columns"))
     if cache:
         _plan_cache.put(key, planned)
     return generation, planned
@@ -161,9 +184,10 @@ def _write_and_commit(coord: Coordinator, location: Location, generation: int, w
         written.value = written.value.to_wire()
 
     def commit(all_writes: list[Any]) -> list[Any]:
-        manifest = build_manifest(generation=generation, framework=framework,
-                                  checksum_chunk=DEFAULT_CHECKSUM_CHUNK, writer=f"bcp {__version__}",
-                                  local_plans=plan.local_plans, writes=all_writes)
+        with paused_gc():  # on the background thread of an async save, the foreground's pause is over
+            manifest = build_manifest(generation=generation, framework=framework,
+                                      checksum_chunk=DEFAULT_CHECKSUM_CHUNK, writer=f"bcp {__version__}",
+                                      columns=plan.columns, writes=all_writes)
         location.commit(generation, manifest)
         location.remove_older_than(generation)
         return [None] * coord.world_size

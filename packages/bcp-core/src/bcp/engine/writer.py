@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from bcp.engine.bytes_of import byte_view, host_contiguous
@@ -45,9 +46,9 @@ def piece_writes(pieces: list[Piece], specs: list[Any]) -> list[PieceWrite]:
 
 @dataclass
 class RankWrites:
-    """What a rank wrote, as plain data for the coordinator: file names, per piece
-    ``[spec, file index, offset, nbytes, crcs]``, per value ``[name, file index, offset, nbytes,
-    tree nbytes, crcs]``, and whether any value was pickled."""
+    """What a rank wrote: file names, per piece ``[spec, file index, offset, nbytes, crcs]``, per
+    value ``[name, file index, offset, nbytes, tree nbytes, crcs]``, and whether any value was
+    pickled. It travels to the coordinator as ``to_wire()`` (piece rows as integer columns)."""
 
     files: list[str] = field(default_factory=list)
     pieces: list[list] = field(default_factory=list)
@@ -55,11 +56,42 @@ class RankWrites:
     used_pickle: bool = False
 
     def to_wire(self) -> list:
-        return [self.files, self.pieces, self.objects, self.used_pickle]
+        specs = [row[0] for row in self.pieces]
+        columns = WrittenPieces(
+            index=np.array([s if isinstance(s, int) else s[0] for s in specs], dtype=np.int64),
+            parts=[[i, s[1], s[2]] for i, s in enumerate(specs) if not isinstance(s, int)],
+            where=np.array([row[1:4] for row in self.pieces], dtype=np.int64).reshape(-1, 3),
+            crc_counts=np.array([len(row[4]) for row in self.pieces], dtype=np.int64),
+            crcs=np.array([c for row in self.pieces for c in row[4]], dtype=np.uint32))
+        return [self.files, columns.to_wire(), self.objects, self.used_pickle]
 
     @property
     def nbytes(self) -> int:
         return sum(row[3] for row in self.pieces + self.objects)
+
+
+@dataclass
+class WrittenPieces:
+    """A rank's written pieces as columns: the local piece ``index`` of each (``parts`` lists
+    ``[row, offsets, lengths]`` for rows that are part of a split piece), ``where`` = file index,
+    byte offset and byte length, and each row's ``crc_counts`` chunk checksums in ``crcs``."""
+
+    index: np.ndarray
+    parts: list[list]
+    where: np.ndarray
+    crc_counts: np.ndarray
+    crcs: np.ndarray
+
+    def to_wire(self) -> list:
+        return [self.index.tobytes(), self.parts, self.where.tobytes(), self.crc_counts.tobytes(),
+                self.crcs.tobytes()]
+
+    @staticmethod
+    def from_wire(wire: list) -> "WrittenPieces":
+        index, parts, where, crc_counts, crcs = wire
+        return WrittenPieces(np.frombuffer(index, dtype=np.int64), parts,
+                             np.frombuffer(where, dtype=np.int64).reshape(-1, 3),
+                             np.frombuffer(crc_counts, dtype=np.int64), np.frombuffer(crcs, dtype=np.uint32))
 
 
 @dataclass(slots=True)
@@ -72,7 +104,7 @@ class _Item:
 
 def write_rank(location: Location, generation: int, rank: int, pieces: list[PieceWrite],
                objects: list[tuple[str, EncodedValue]], threads: int, chunk: int) -> RankWrites:
-    items = [_Item(p.tensor.numel() * p.tensor.element_size(), piece=p) for p in pieces]
+    items = [_Item(p.tensor.nbytes, piece=p) for p in pieces]
     items += [_Item(v.nbytes, name=n, value=v) for n, v in objects]
     total = sum(item.nbytes for item in items)
     bins = _balance(items, max(1, min(threads, len(items), total // MIN_BYTES_PER_FILE)))
@@ -89,7 +121,10 @@ def write_rank(location: Location, generation: int, rank: int, pieces: list[Piec
 
 
 def _balance(items: list[_Item], nbins: int) -> list[list[_Item]]:
-    """Largest first into the emptiest file, so the writer threads finish together."""
+    """Largest first into the emptiest file, so the writer threads finish together. One file
+    keeps the given order."""
+    if nbins == 1:
+        return [items] if items else []
     bins: list[list[_Item]] = [[] for _ in range(nbins)]
     sizes = [0] * nbins
     for item in sorted(items, key=lambda it: -it.nbytes):

@@ -45,8 +45,20 @@ class FlatShard:
             raise ValueError(f"FlatShard: tensor must be 1-D, got shape {tuple(self.tensor.shape)}")
 
 
+# Exact types of plain local tensors: the common case, recognised without attribute probing.
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def is_dtensor(value: Any) -> bool:
+    """A DTensor, recognised by its attributes so that the core need not import it."""
+    return (type(value) not in PLAIN_TENSORS and isinstance(value, torch.Tensor)
+            and hasattr(value, "device_mesh") and hasattr(value, "placements"))
+
+
 def is_tensor_value(value: Any) -> bool:
     """Whether a state-dict value is tensor data (saved as boxes) rather than a plain value."""
+    if type(value) in PLAIN_TENSORS:
+        return True
     if isinstance(value, (list, tuple)) and value:
         return all(isinstance(v, (TensorShard, FlatShard)) for v in value)
     return isinstance(value, (torch.Tensor, TensorShard, FlatShard))

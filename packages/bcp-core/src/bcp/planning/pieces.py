@@ -13,7 +13,7 @@ import torch
 
 from bcp.errors import UnsupportedValueError
 from bcp.layout.box import Box, flat_range_to_boxes
-from bcp.layout.shards import FlatShard, TensorShard
+from bcp.layout.shards import PLAIN_TENSORS, FlatShard, TensorShard, is_dtensor
 
 
 @dataclass(slots=True)
@@ -31,6 +31,8 @@ class Piece:
 
 def tensor_meta(name: str, value: Any) -> tuple[torch.dtype, tuple[int, ...]]:
     """dtype and global shape of a tensor value, known even where this rank holds no piece of it."""
+    if type(value) in PLAIN_TENSORS:
+        return value.dtype, tuple(value.shape)
     first = value[0] if isinstance(value, (list, tuple)) else value
     if isinstance(first, (TensorShard, FlatShard)):
         shapes = {tuple(v.global_shape) for v in (value if isinstance(value, (list, tuple)) else [value])}
@@ -45,6 +47,8 @@ def tensor_meta(name: str, value: Any) -> tuple[torch.dtype, tuple[int, ...]]:
 
 def pieces_of(name: str, value: Any) -> list[Piece]:
     """The pieces this rank holds of tensor ``name`` (an empty local shard gives no piece)."""
+    if type(value) in PLAIN_TENSORS:
+        return _whole(name, value)
     if isinstance(value, (list, tuple)):
         return [p for v in value for p in pieces_of(name, v)]
     if isinstance(value, TensorShard):
@@ -57,25 +61,31 @@ def pieces_of(name: str, value: Any) -> list[Piece]:
             for box, at in flat_range_to_boxes(value.global_shape, value.flat_offset, flat.numel())
             for p in _checked(name, flat[at: at + box.numel].view(box.lengths), tuple(value.global_shape), box)
         ]
-    if _is_dtensor(value):
+    if is_dtensor(value):
         return _dtensor_pieces(name, value)
     if isinstance(value, torch.Tensor):
-        return _checked(name, value.detach(), tuple(value.shape), Box.whole(value.shape))
+        return _whole(name, value)
     raise UnsupportedValueError(f"not a tensor value: {type(value).__name__}", key=name)
+
+
+def _whole(name: str, value: torch.Tensor) -> list[Piece]:
+    """A plain tensor is one piece covering all of it (its box needs no bounds check)."""
+    if value.layout != torch.strided:
+        raise UnsupportedValueError("sparse and non-strided tensors are not supported", key=name)
+    shape = tuple(value.shape)
+    if value.numel() == 0:
+        return []
+    return [Piece(name, value.dtype, shape, Box((0,) * len(shape), shape), value.detach())]
 
 
 def _checked(name: str, tensor: torch.Tensor, global_shape: tuple[int, ...], box: Box) -> list[Piece]:
     if not box.within(global_shape):
         raise UnsupportedValueError(f"local piece {box} lies outside the global shape {global_shape}", key=name)
-    if tensor.is_sparse or tensor.layout != torch.strided:
+    if tensor.layout != torch.strided:
         raise UnsupportedValueError("sparse and non-strided tensors are not supported", key=name)
     if box.numel == 0:
         return []
     return [Piece(name, tensor.dtype, tuple(int(s) for s in global_shape), box, tensor)]
-
-
-def _is_dtensor(value: Any) -> bool:
-    return hasattr(value, "device_mesh") and hasattr(value, "placements") and isinstance(value, torch.Tensor)
 
 
 def _dtensor_pieces(name: str, value: Any) -> list[Piece]:

@@ -6,14 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from bcp.planning.save_plan import PlanColumns
+
 
 @dataclass
 class CachedPlan:
-    digest: bytes
+    #: This rank's structure (``save_plan.structure_key``) the plan was made for; compared exactly, never hashed.
+    structure: Any
     #: This rank's write entries (see ``save_plan.global_plan``).
     writes: list[Any]
-    #: Every rank's local plan, kept on the coordinating rank only (it assembles manifests).
-    local_plans: list[list[Any]] | None
+    #: Every rank's pieces, kept on the coordinating rank only (it assembles manifests).
+    columns: PlanColumns | None
 
 
 class PlanCache:
@@ -22,9 +25,9 @@ class PlanCache:
     def __init__(self) -> None:
         self._entries: dict[Any, CachedPlan] = {}
 
-    def get(self, key: Any, digest: bytes) -> CachedPlan | None:
+    def get(self, key: Any, structure: Any) -> CachedPlan | None:
         entry = self._entries.get(key)
-        return entry if entry is not None and entry.digest == digest else None
+        return entry if entry is not None and entry.structure == structure else None
 
     def put(self, key: Any, plan: CachedPlan) -> None:
         self._entries[key] = plan

@@ -14,10 +14,8 @@ and over boxes that several ranks hold.
 from __future__ import annotations
 
 import functools
-import hashlib
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from bcp.errors import MismatchError
@@ -42,15 +40,19 @@ def local_plan(tensors: list[tuple[str, Any, tuple[int, ...]]], pieces: list[Pie
     for the replica check only, the crc32c of their bytes (uint32)."""
     index = {name: i for i, (name, _, _) in enumerate(tensors)}
     ndim = max([len(p.box.offsets) for p in pieces], default=0)
-    offsets = np.zeros((len(pieces), ndim), dtype=np.int64)
-    lengths = np.ones((len(pieces), ndim), dtype=np.int64)
-    for i, p in enumerate(pieces):
-        offsets[i, :p.box.ndim] = p.box.offsets
-        lengths[i, :p.box.ndim] = p.box.lengths
+    zeros, ones = (0,) * ndim, (1,) * ndim
+    offsets = np.array([(p.box.offsets + zeros)[:ndim] for p in pieces], dtype=np.int64).reshape(len(pieces), ndim)
+    lengths = np.array([(p.box.lengths + ones)[:ndim] for p in pieces], dtype=np.int64).reshape(len(pieces), ndim)
     tensor = np.array([index[p.name] for p in pieces], dtype=np.int64)
     crcs = np.array(replica_crcs, dtype=np.uint32).tobytes() if replica_crcs is not None else None
     return [[[n, dtype_name(d), list(s)] for n, d, s in tensors], ndim, tensor.tobytes(), offsets.tobytes(),
             lengths.tobytes(), crcs]
+
+
+def structure_key(tensors: list[tuple[str, Any, tuple[int, ...]]], pieces: list[Piece]) -> tuple:
+    """Everything a local plan depends on, as plain tuples compared exactly: equal keys give equal
+    local plans. Building it costs a fraction of building the plan, which a cache hit skips."""
+    return tuple(tensors), [(p.name, p.box.offsets, p.box.lengths) for p in pieces]
 
 
 def plan_pieces(plan: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -61,18 +63,16 @@ def plan_pieces(plan: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             np.frombuffer(lengths, dtype=np.int64).reshape(len(tensor), ndim))
 
 
-def plan_digest(plan: list[Any]) -> bytes:
-    """A fingerprint of a local plan: equal digests mean the same tensors, shapes, dtypes and boxes."""
-    return hashlib.blake2b(msgpack.packb(plan), digest_size=16).digest()
-
-
 @functools.lru_cache(maxsize=None)
 def itemsize_of(name: str) -> int:
     return itemsize(dtype_from_name(name))
 
 
-class _Pieces:
-    """Every rank's pieces as one set of columns, tensors numbered globally."""
+class PlanColumns:
+    """Every rank's pieces as one set of columns, tensors numbered globally (in order of first
+    declaration, rank by rank). Rank r's pieces are rows ``starts[r]:starts[r + 1]``, in its
+    local plan's order. Built once per plan on the coordinating rank, and kept with a cached plan
+    to assemble each save's manifest."""
 
     def __init__(self, local_plans: list[list[Any]]) -> None:
         self.names: list[str] = []
@@ -113,6 +113,7 @@ class _Pieces:
         self.rank = np.concatenate(rank) if rank else empty
         self.local = np.concatenate(local) if local else empty
         self.crcs = np.concatenate(crcs) if len(crcs) == len(local_plans) and crcs else None
+        self.starts = np.concatenate([[0], np.cumsum([len(t) for t in tensor])]).astype(np.int64)
         self.itemsize = np.array([itemsize_of(d) for d in self.dtypes], dtype=np.int64)
         self.shape_rows = np.ones((len(self.names), self.ndim), dtype=np.int64)
         for gid, shape in enumerate(self.shapes):
@@ -127,11 +128,10 @@ def _pad(columns: np.ndarray, ndim: int, fill: int) -> np.ndarray:
     return out
 
 
-def global_plan(local_plans: list[list[Any]], split_bytes: int | None = None) -> list[list[Any]]:
+def global_plan(p: PlanColumns, split_bytes: int | None = None) -> list[list[Any]]:
     """For each rank, the pieces it writes: a piece index, or ``[index, offsets, lengths]`` for the
     part of a split replicated piece (boxes over ``split_bytes``, default ``SPLIT_BYTES``)."""
     split_bytes = split_bytes or SPLIT_BYTES
-    p = _Pieces(local_plans)
     keys = np.concatenate([p.tensor[:, None], p.offsets, p.lengths], axis=1)
     distinct, first, inverse = _unique_rows(keys)
     counts = np.bincount(inverse, minlength=len(distinct))
@@ -143,7 +143,7 @@ def global_plan(local_plans: list[list[Any]], split_bytes: int | None = None) ->
         _check_replicas_agree(p, first, inverse)
     _check_coverage(p, gid, offsets, lengths)
 
-    world = len(local_plans)
+    world = len(p.starts) - 1
     load = np.zeros(world, dtype=np.int64)
     writes: list[list[Any]] = [[] for _ in range(world)]
     single = counts == 1
@@ -205,7 +205,7 @@ def _split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _check_replicas_agree(p: _Pieces, first: np.ndarray, inverse: np.ndarray) -> None:
+def _check_replicas_agree(p: PlanColumns, first: np.ndarray, inverse: np.ndarray) -> None:
     differs = p.crcs != p.crcs[first[inverse]]
     if np.any(differs):
         row = int(np.flatnonzero(differs)[0])
@@ -216,7 +216,7 @@ def _check_replicas_agree(p: _Pieces, first: np.ndarray, inverse: np.ndarray) ->
             f"differ between ranks {int(p.rank[box])} and {int(p.rank[row])}", key=p.names[p.tensor[row]])
 
 
-def _check_coverage(p: _Pieces, gid: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+def _check_coverage(p: PlanColumns, gid: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
     outside = np.any((offsets < 0) | (offsets + lengths > p.shape_rows[gid]), axis=1)
     if np.any(outside):
         row = int(np.flatnonzero(outside)[0])
@@ -234,7 +234,7 @@ def _check_coverage(p: _Pieces, gid: np.ndarray, offsets: np.ndarray, lengths: n
     _check_disjoint(p, gid, offsets, lengths)
 
 
-def _check_disjoint(p: _Pieces, gid: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
+def _check_disjoint(p: PlanColumns, gid: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
     """No two distinct boxes of a tensor overlap (tensors with at most PAIRWISE_OVERLAP_LIMIT boxes),
     checked for all pairs at once, grouped by box count."""
     order = np.argsort(gid, kind="stable")
