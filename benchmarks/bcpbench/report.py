@@ -70,8 +70,10 @@ def _run_facts(run: dict[str, Any]) -> list[str]:
             ("- Columns: `vs floor` = the floor's median time / this median time (1.00x = as fast as the disk, "
              "or as a memcpy for warm loads and async blocking); `vs DCP` = DCP's median time / this one."),
             ("- Planning figures are the `plan` phase of bcp's own per-save stats (`handle.stats.seconds`): the "
-             "local plan, the exchange that agrees on reusing a cached plan, and the global plan when not "
-             "cached."),
+             "comparison of each rank's structure key with its cached plan's, the exchange that agrees on "
+             "reuse, and, when not cached, the local plans, their gather and the global plan. Turning the "
+             "state into pieces (and their structure key) is the separate `collect` phase, which every save "
+             "needs, cached or not."),
             (f"- `bcp` rows are steady-state saves (plan cached); `bcp, first save of the structure` plans anew. "
              f"DCP tuned = `FileSystemWriter(thread_count={run['dcp_threads']})`; bcp uses "
              f"`io_threads={run['io_threads']}`."), ""]
@@ -201,8 +203,10 @@ def _reading() -> list[str]:
             ("- Loads: compare `bcp` with `bcp, load with verify=False` (same files): the difference is the "
              "crc32c verification of every byte read, which bcp does by default; the per-phase table splits "
              "loads into metadata, plan, read and apply."),
-            ("- Re-planning: the figure is bcp's whole `plan` phase of a save (its local plan and digest, the "
-             "agreement on reuse, and the global plan when not cached), not only the part a cache hit skips."),
+            ("- Re-planning: the figure is bcp's whole `plan` phase of a save (the structure comparison and the "
+             "agreement on reuse, plus the local and global plans when not cached). Its fixed part, one "
+             "exchange between the ranks, dominates at this scale; the part a cache hit skips grows with "
+             "the number of ranks and pieces (`planning_scale.py`)."),
             ("- Resharded loads on one machine: a piece read by both processes is read from the disk once, the "
              "second read hits the page cache, so reading whole pieces (DCP) costs less here than on a shared "
              "file system. Shard(0) -> Shard(1) needs a strided half of every saved piece, whose byte span is "

@@ -107,6 +107,45 @@ def test_plan_cache_reuses_and_invalidates_on_any_rank_change(ranks, tmp_path):
     assert counts == [[3, 2, 3, 2]] * 2
 
 
+class CountingSingleProcess(bcp.SingleProcessCoordinator):
+    gathers = 0
+
+    def gather_bytes(self, data):
+        type(self).gathers += 1
+        return super().gather_bytes(data)
+
+
+def halves(tensor: torch.Tensor, cut: int) -> list:
+    return [bcp.TensorShard(tensor[:cut], tuple(tensor.shape), (0, 0)),
+            bcp.TensorShard(tensor[cut:], tuple(tensor.shape), (cut, 0))]
+
+
+def test_plan_cache_replans_on_dtype_name_and_box_changes(tmp_path):
+    """Each change of structure that keeps the byte count (dtype of the same size, a renamed tensor,
+    the same tensor cut at another row) must replan; an unchanged structure must not."""
+    save_module._plan_cache.clear()
+    coordinator = CountingSingleProcess()
+    base = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    steps = [
+        ("first", {"w": base}, 3),
+        ("unchanged, new values", {"w": base + 1}, 2),
+        ("dtype of the same size", {"w": base.to(torch.int32)}, 3),
+        ("renamed", {"v": base.to(torch.int32)}, 3),
+        ("cut in two at row 2", {"v": halves(base, 2)}, 3),
+        ("same cut", {"v": halves(base + 5, 2)}, 2),
+        ("cut at row 1", {"v": halves(base + 5, 1)}, 3),
+    ]
+    for step, (what, model, gathers) in enumerate(steps):
+        before = CountingSingleProcess.gathers
+        bcp.save(tmp_path / str(step), {"model": model}, coordinator=coordinator)
+        assert CountingSingleProcess.gathers - before == gathers, what
+        name, value = next(iter(model.items()))
+        expected = torch.cat([s.tensor for s in value]) if isinstance(value, list) else value
+        out = {name: torch.zeros_like(expected)}
+        bcp.load(tmp_path / str(step), {"model": out})
+        assert torch.equal(out[name], expected), what
+
+
 def split_case(path: str) -> list:
     from bcp.planning import save_plan
 
