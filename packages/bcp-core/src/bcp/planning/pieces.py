@@ -6,6 +6,7 @@ and loading writes into it without another copy.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +76,13 @@ def _whole(name: str, value: torch.Tensor) -> list[Piece]:
     shape = tuple(value.shape)
     if value.numel() == 0:
         return []
-    return [Piece(name, value.dtype, shape, Box((0,) * len(shape), shape), value.detach())]
+    return [Piece(name, value.dtype, shape, _whole_box(shape), value.detach())]
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole_box(shape: tuple[int, ...]) -> Box:
+    """Boxes are immutable, so tensors of one shape (a model's many layers) share one."""
+    return Box((0,) * len(shape), shape)
 
 
 def _checked(name: str, tensor: torch.Tensor, global_shape: tuple[int, ...], box: Box) -> list[Piece]:
