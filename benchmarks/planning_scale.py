@@ -4,8 +4,9 @@
 Every rank's local plan is built as bcp builds it (parameters TP-sharded and replicated over DP;
 AdamW states and fp32 master weights cut into flat ranges over DP, as a distributed optimizer does,
 each range decomposed into boxes), packed with msgpack as it would cross the wire, then timed:
-unpack + global plan (dedup, worst-fit, coverage) + manifest assembly + manifest JSON, and the
-manifest's parse at load time. The same plans are then given to DCP's planner for comparison
+unpack + global plan (dedup, worst-fit, coverage) + manifest assembly (every rank's report of its
+writes unpacked and turned into the shard table) + manifest JSON, with the garbage collector paused
+as in ``bcp.save``; and the manifest's parse at load time. The same plans are then given to DCP's planner for comparison
 (``--dcp``), as DCP would receive them; and a manifest of a million shards is loaded.
 
     .venv/bin/python benchmarks/planning_scale.py [--dp 70] [--dcp] [--json out.json]
@@ -18,9 +19,10 @@ import json
 import math
 import time
 
-import msgpack
 import numpy as np
 
+from bcp.api.gc_pause import paused_gc
+from bcp.coord.consensus import pack, unpack
 from bcp.engine.commit import build_manifest
 from bcp.engine.writer import RankWrites
 from bcp.layout.box import flat_range_to_boxes
@@ -28,6 +30,7 @@ from bcp.layout.manifest import Manifest
 from bcp.planning.save_plan import PlanColumns, global_plan, plan_pieces
 
 LAYERS, HIDDEN, FFN, KV_HEADS, HEAD_DIM, VOCAB = 126, 16384, 53248, 8, 128, 128256
+CHUNK = 4 << 20  # bcp's checksum chunk
 
 
 def layer_params() -> list[tuple[str, tuple[int, int], int]]:
@@ -120,7 +123,7 @@ def parse_at(count: int) -> dict:
     from bcp.layout.manifest import TensorEntry
     from bcp.layout.shard_table import ShardTable
 
-    per_tensor, chunk = 100, 4 << 20
+    per_tensor = 100
     tensors = count // per_tensor
     rows = np.arange(tensors * per_tensor)
     offsets = np.stack([rows % per_tensor, np.zeros_like(rows)], axis=1).astype(np.int64)
@@ -131,12 +134,27 @@ def parse_at(count: int) -> dict:
     entries = {f"t{i}": TensorEntry.from_table(f"t{i}", "float32", (per_tensor, 1024), table, i * per_tensor,
                                                per_tensor) for i in range(tensors)}
     manifest = Manifest(generation=1, world_size=1, framework="plain", files=["data/00000-00.bin"],
-                        tensors=entries, objects={}, checksum_chunk=chunk)
+                        tensors=entries, objects={}, checksum_chunk=CHUNK)
     data, table_bytes = manifest.encode()
     t0 = time.perf_counter()
     Manifest.decode(data, table_bytes)
     return {"parse_shards": len(rows), "parse_mb": round((len(data) + len(table_bytes)) / 1e6, 1),
             "parse_s": round(time.perf_counter() - t0, 2)}
+
+
+def rank_writes(plan: list, specs: list) -> list:
+    """What a rank reports after writing ``specs`` of ``plan`` into one file (synthetic checksums)."""
+    declared = plan[0]
+    tensor, _, lengths = plan_pieces(plan)
+    rows, offset = [], 0
+    for spec in specs:
+        index = spec if isinstance(spec, int) else spec[0]
+        size = 2 if declared[tensor[index]][1] == "bfloat16" else 4
+        shape = lengths[index] if isinstance(spec, int) else spec[2]
+        nbytes = int(np.prod(shape)) * size
+        rows.append([spec, 0, offset, nbytes, [0] * max(1, -(-nbytes // CHUNK))])
+        offset += nbytes
+    return RankWrites(["data/00000-00.bin"], rows).to_wire()
 
 
 def main() -> None:
@@ -152,39 +170,27 @@ def main() -> None:
     world = args.tp * args.pp * args.dp
 
     t0 = time.perf_counter()
-    wire = [msgpack.packb(local_plan(r % args.tp, args.tp, (r // args.tp) % args.pp, args.pp,
+    wire = [pack(local_plan(r % args.tp, args.tp, (r // args.tp) % args.pp, args.pp,
                                      r // (args.tp * args.pp), args.dp)) for r in range(world)]
     built = time.perf_counter() - t0
-    pieces = sum(len(msgpack.unpackb(w)[2]) // 8 for w in wire)
+    pieces = sum(len(unpack(w)[2]) // 8 for w in wire)
 
-    t0 = time.perf_counter()
-    plans = [msgpack.unpackb(w) for w in wire]
-    unpacked = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    columns = PlanColumns(plans)
-    writes_plan = global_plan(columns)
-    planned = time.perf_counter() - t0
+    with paused_gc():  # as in bcp.save, which runs the coordinator's work with the collector paused
+        t0 = time.perf_counter()
+        plans = [unpack(w) for w in wire]
+        unpacked = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        columns = PlanColumns(plans)
+        writes_plan = global_plan(columns)
+        planned = time.perf_counter() - t0
 
-    # Every rank reports where it wrote its share (synthetic byte locations), as after a save.
-    writes = []
-    chunk = 4 << 20
-    for rank, specs in enumerate(writes_plan):
-        declared = plans[rank][0]
-        tensor, _, lengths = plan_pieces(plans[rank])
-        rows, offset = [], 0
-        for spec in specs:
-            index = spec if isinstance(spec, int) else spec[0]
-            size = 2 if declared[tensor[index]][1] == "bfloat16" else 4
-            shape = lengths[index] if isinstance(spec, int) else spec[2]
-            nbytes = int(np.prod(shape)) * size
-            rows.append([spec, 0, offset, nbytes, [0] * max(1, -(-nbytes // chunk))])
-            offset += nbytes
-        writes.append(RankWrites([f"data/{rank:05d}-00.bin"], rows).to_wire())
-    t0 = time.perf_counter()
-    manifest = build_manifest(generation=1, framework="megatron", checksum_chunk=4 << 20, writer="bench",
-                              columns=columns, writes=writes)
-    data, table = manifest.encode()
-    assembled = time.perf_counter() - t0
+        # Every rank reports where it wrote its share (synthetic byte locations), as after a save.
+        written = [pack(rank_writes(plans[rank], specs)) for rank, specs in enumerate(writes_plan)]
+        t0 = time.perf_counter()
+        manifest = build_manifest(generation=1, framework="megatron", checksum_chunk=CHUNK, writer="bench",
+                                  columns=columns, writes=[unpack(w) for w in written])
+        data, table = manifest.encode()
+        assembled = time.perf_counter() - t0
     shards = sum(len(e.shards) for e in manifest.tensors.values())
     t0 = time.perf_counter()
     Manifest.decode(data, table)
