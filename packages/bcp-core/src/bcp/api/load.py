@@ -7,6 +7,7 @@ from typing import Any
 
 from bcp.adapters import adapter_for
 from bcp.api.components import RESHARDED, apply, check_keys, collect
+from bcp.api.gc_pause import paused_gc
 from bcp.api.location import resolve
 from bcp.api.results import LoadResult, PhaseStats
 from bcp.api.save import DEFAULT_IO_THREADS
@@ -17,15 +18,16 @@ from bcp.engine.reader import ShardReader
 from bcp.engine.redistribute import read_and_share
 from bcp.errors import MismatchError
 from bcp.layout.manifest import Manifest, ObjectEntry
-from bcp.planning.load_plan import ReadOp, check_meta, plan_reads
-from bcp.planning.read_once import assign_readers, read_requests
 from bcp.layout.shards import is_tensor_value
+from bcp.planning.load_plan import ReadOp, check_meta, plan_reads
 from bcp.planning.pieces import pieces_of, tensor_meta
+from bcp.planning.read_once import assign_readers, read_requests
 from bcp.storage import Storage
 
 _LISTED = 20  # names shown in a strict-mode error before "and N more"
 
 
+@paused_gc()  # a load of thousands of tensors builds a few records per tensor, none in cycles
 def load(
     path: "str | os.PathLike | Storage",
     state: dict[str, Any],

@@ -3,7 +3,6 @@ to the ranks that need it as soon as it is read, and receives the regions other 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -24,17 +23,14 @@ def read_and_share(reader: ShardReader, ops: list[ReadOp], roles: list[list[Any]
             buffer = torch.empty(op.region.lengths, dtype=op.piece.tensor.dtype)
             work = dist.irecv(buffer, src=dist.get_global_rank(group, peer), group=group, tag=transfer)
             received.append((op, buffer, work))
-    reads = [(op, role) for op, role in zip(ops, roles) if role[0] == READ]
+    reading = {id(op): role for op, role in zip(ops, roles) if role[0] == READ}
     sends = []
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="bcp-read") as pool:
-        pending = [(op, role, [pool.submit(task) for task in reader.tasks(op)]) for op, role in reads]
-        for op, (_, transfer, receivers), futures in pending:
-            for future in futures:
-                future.result()
-            if receivers:
-                data = _region(op).contiguous()
-                sends += [dist.isend(data, dst=dist.get_global_rank(group, r), group=group, tag=transfer)
-                          for r in receivers]
+    for op in reader.read_each([op for op in ops if id(op) in reading], threads):
+        _, transfer, receivers = reading[id(op)]
+        if receivers:
+            data = _region(op).contiguous()
+            sends += [dist.isend(data, dst=dist.get_global_rank(group, r), group=group, tag=transfer)
+                      for r in receivers]
     for op, buffer, work in received:
         work.wait()
         _region(op).copy_(buffer)

@@ -55,6 +55,13 @@ class TensorEntry:
     def component(self) -> str:
         return component_of(self.name)
 
+    def table_rows(self) -> tuple[ShardTable, int, int]:
+        """This tensor's shards as rows ``[first, first + count)`` of a table, for array operations:
+        the checkpoint's table while they are untouched, else a table of the current list."""
+        if self._shards is None:
+            return self._table, self._first, self._count
+        return ShardTable.from_entries([self._shards], len(self.shape)), 0, len(self._shards)
+
     def _table_range(self) -> tuple[ShardTable, int, int] | None:
         return (self._table, self._first, self._count) if self._shards is None else None
 
@@ -221,30 +228,35 @@ class _ManifestParser:
         """Tensor entries over the table, checked together: their row ranges tile the table in
         order, boxes lie inside their tensor's shape, and each shard's size is its box in its dtype."""
         out: dict[str, TensorEntry] = {}
-        rows_shape = np.ones((table.count, table.ndim), dtype=np.int64)
-        rows_ndim = np.zeros(table.count, dtype=np.int64)
-        rows_itemsize = np.zeros(table.count, dtype=np.int64)
+        itemsizes: dict[str, int] = {}  # looked up once per distinct dtype
+        shapes, ndims, sizes, counts = [], [], [], []
+        ones = (1,) * table.ndim
         position = 0
         for name, entry in entries.items():
             if not isinstance(entry, dict):
                 raise self.fail("tensor entry is not an object", name)
-            try:
-                size = itemsize(dtype_from_name(entry.get("dtype")))
-            except (KeyError, TypeError):
-                raise self.fail(f"unknown dtype {entry.get('dtype')!r}", name) from None
+            dtype = entry.get("dtype")
+            size = itemsizes.get(dtype) if isinstance(dtype, str) else None
+            if size is None:
+                size = itemsizes[dtype] = self.itemsize_of(dtype, name)
             shape = self.ints(entry.get("shape"), name, "shape")
             rows = self.ints(entry.get("shards"), name, "shards")
             if len(rows) != 2 or rows[0] != position or position + rows[1] > table.count \
                     or (rows[1] and len(shape) > table.ndim):
                 raise self.fail("tensor shard ranges must tile the shard table in order", name)
             first, count = rows
-            rows_shape[first:first + count, :len(shape)] = shape
-            rows_ndim[first:first + count] = len(shape)
-            rows_itemsize[first:first + count] = size
+            shapes.append((shape + ones)[:table.ndim])  # a tensor without rows may have more dims
+            ndims.append(len(shape))
+            sizes.append(size)
+            counts.append(count)
             position += count
-            out[name] = TensorEntry.from_table(name, entry["dtype"], shape, table, first, count)
+            out[name] = TensorEntry.from_table(name, dtype, shape, table, first, count)
         if position != table.count:
             raise self.fail("tensor shard ranges must tile the shard table in order")
+        # Each tensor's shape, rank and item size repeated over its rows.
+        rows_shape = np.repeat(np.array(shapes, dtype=np.int64).reshape(len(shapes), table.ndim), counts, axis=0)
+        rows_ndim = np.repeat(np.array(ndims, dtype=np.int64), counts)
+        rows_itemsize = np.repeat(np.array(sizes, dtype=np.int64), counts)
         padding = np.arange(table.ndim)[None, :] >= rows_ndim[:, None]
         outside = np.any((table.offsets < 0) | (table.lengths < 0) | (table.offsets + table.lengths > rows_shape)
                          | (padding & ((table.offsets != 0) | (table.lengths != 1))), axis=1)
@@ -285,6 +297,12 @@ class _ManifestParser:
         if not isinstance(crcs, list) or not all(isinstance(c, int) and 0 <= c < 2**32 for c in crcs):
             raise self.fail("checksums must be a list of 32-bit integers", name)
         return ByteRange(file, offset, nbytes, tuple(crcs))
+
+    def itemsize_of(self, dtype: Any, name: str) -> int:
+        try:
+            return itemsize(dtype_from_name(dtype))
+        except (KeyError, TypeError):
+            raise self.fail(f"unknown dtype {dtype!r}", name) from None
 
     def ints(self, value: Any, name: str, what: str) -> tuple[int, ...]:
         if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):

@@ -17,8 +17,8 @@ Each tensor's shards are one contiguous row range ``[first, first + count)``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 
@@ -60,16 +60,22 @@ class ShardTable:
 
     def rows(self, first: int, count: int, ndim: int) -> list[ShardEntry]:
         """Rows ``[first, first + count)`` as entries, boxes cut to ``ndim`` dimensions."""
-        end = first + count
-        offsets = self.offsets[first:end, :ndim].tolist()
-        lengths = self.lengths[first:end, :ndim].tolist()
-        files, starts, sizes = self.file[first:end].tolist(), self.offset[first:end].tolist(), self.nbytes[first:end].tolist()
-        bounds = self.crc_first[first:end + 1].tolist()
-        crcs = self.crcs[bounds[0]:bounds[-1]].tolist()
-        base = bounds[0]
-        return [ShardEntry(Box(tuple(o), tuple(n)),
-                           ByteRange(f, s, b, tuple(crcs[bounds[i] - base:bounds[i + 1] - base])))
-                for i, (o, n, f, s, b) in enumerate(zip(offsets, lengths, files, starts, sizes))]
+        return self.entries(np.arange(first, first + count), [ndim] * count)
+
+    def entries(self, rows: np.ndarray, ndims: Sequence[int]) -> list[ShardEntry]:
+        """The given rows as entries, row ``rows[i]``'s box cut to ``ndims[i]`` dimensions."""
+        offsets, lengths = self.offsets[rows].tolist(), self.lengths[rows].tolist()
+        files, starts, sizes = self.file[rows].tolist(), self.offset[rows].tolist(), self.nbytes[rows].tolist()
+        crc_lo, crc_hi = self.crc_first[rows], self.crc_first[rows + 1]
+        # Every row's checksums gathered in one array operation, then cut per row.
+        counts = crc_hi - crc_lo
+        ends = np.cumsum(counts)
+        total = int(ends[-1]) if len(ends) else 0
+        crcs = self.crcs[np.repeat(crc_lo - ends + counts, counts) + np.arange(total)].tolist()
+        bounds = [0, *ends.tolist()]
+        return [ShardEntry(Box(tuple(o[:d]), tuple(n[:d])),
+                           ByteRange(f, s, b, tuple(crcs[bounds[i]:bounds[i + 1]])))
+                for i, (o, n, d, f, s, b) in enumerate(zip(offsets, lengths, ndims, files, starts, sizes))]
 
     def encode(self) -> bytes:
         return b"".join(np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes() for a in

@@ -6,7 +6,8 @@ Names are ``/``-separated strings relative to the storage root: they may become 
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, runtime_checkable
+from collections.abc import Iterable, Sequence
+from typing import Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -25,6 +26,13 @@ class Storage(Protocol):
 
     def read_into(self, name: str, offset: int, dest: memoryview) -> None:
         """Fill ``dest`` with the bytes of ``name`` at ``offset``; raises ``EOFError`` if the file is shorter."""
+
+    def read_into_many(self, name: str, offset: int, dests: Sequence[memoryview]) -> None:
+        """Fill ``dests`` one after the other with the consecutive bytes of ``name`` from ``offset``
+        (one vectored read where the backend has one); raises ``EOFError`` if the file is shorter."""
+        for dest in dests:
+            self.read_into(name, offset, dest)
+            offset += dest.nbytes
 
     def read_bytes(self, name: str) -> bytes:
         """The whole content of a (small) file; ``FileNotFoundError`` if absent."""

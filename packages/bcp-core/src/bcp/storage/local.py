@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Iterable
+from collections.abc import Iterable, Sequence
 
 from bcp.storage.base import Storage
+
+# preadv/writev take at most this many buffers per call (the POSIX minimum is 16; Linux allows 1024)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16
+# Small buffers are gathered into one writev call up to this many bytes (large ones go alone).
+_WRITE_BATCH_BYTES = 1 << 20
 
 
 class LocalStorage(Storage):
     """Files under a directory. Writes are fsync'd (file and directory) before they return, reads
-    use ``preadv`` straight into the caller's memory, so one file can be read by many threads."""
+    use ``preadv`` straight into the caller's memory (many buffers per call), so one file can be read
+    by many threads."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = os.path.abspath(os.fspath(root))
@@ -24,11 +30,15 @@ class LocalStorage(Storage):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
+            batch: list[memoryview] = []
+            pending = 0
             for chunk in chunks:
-                view = chunk.cast("B") if chunk.format != "B" or chunk.ndim != 1 else chunk
-                while view.nbytes:
-                    written = os.write(fd, view)
-                    view = view[written:]
+                batch.append(_flat_bytes(chunk))
+                pending += chunk.nbytes
+                if len(batch) == _IOV_MAX or pending >= _WRITE_BATCH_BYTES:
+                    _write_all(fd, batch)
+                    batch, pending = [], 0
+            _write_all(fd, batch)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -49,15 +59,18 @@ class LocalStorage(Storage):
             _fsync_dir(os.path.dirname(path))
 
     def read_into(self, name: str, offset: int, dest: memoryview) -> None:
-        view = dest.cast("B") if dest.format != "B" or dest.ndim != 1 else dest
+        self.read_into_many(name, offset, [dest])
+
+    def read_into_many(self, name: str, offset: int, dests: Sequence[memoryview]) -> None:
+        views = [_flat_bytes(d) for d in dests if d.nbytes]
         fd = os.open(self._path(name), os.O_RDONLY)
         try:
-            while view.nbytes:
-                got = os.preadv(fd, [view], offset)
+            while views:
+                got = os.preadv(fd, views[:_IOV_MAX], offset)
                 if got == 0:
-                    raise EOFError(f"{name}: file ends before byte {offset + view.nbytes}")
-                view = view[got:]
+                    raise EOFError(f"{name}: file ends before byte {offset + sum(v.nbytes for v in views)}")
                 offset += got
+                views = _advance(views, got)
         finally:
             os.close(fd)
 
@@ -91,3 +104,25 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    views = [v for v in views if v.nbytes]
+    while views:
+        views = _advance(views, os.writev(fd, views[:_IOV_MAX]))
+
+
+def _flat_bytes(view: memoryview) -> memoryview:
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """What is left of ``views`` once ``nbytes`` of them are filled (a short read may stop mid-buffer)."""
+    done = 0
+    while done < len(views) and nbytes >= views[done].nbytes:
+        nbytes -= views[done].nbytes
+        done += 1
+    rest = views[done:]
+    if nbytes:
+        rest[0] = rest[0][nbytes:]
+    return rest

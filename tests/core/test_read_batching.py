@@ -1,0 +1,180 @@
+"""The load engine's batching and partial reads: small tensors stored back to back are read with
+vectored reads and each is still verified on its own; a resharded read fetches whole checksum
+chunks of the parts it needs (and skips parts it does not) and copies the wanted elements out."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import bcp
+from bcp.storage import LocalStorage, Storage
+from models import read_manifest
+
+ROWS, COLUMNS = 2, 3_000_000  # fp32 rows of ~11.4 MiB: each spans about three 4 MiB checksum chunks
+
+
+class CountingStorage(LocalStorage):
+    """Counts the vectored reads of data files."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.data_reads = 0
+
+    def read_into_many(self, name, offset, dests) -> None:
+        self.data_reads += "/data/" in name
+        super().read_into_many(name, offset, dests)
+
+
+def small_state() -> dict[str, torch.Tensor]:
+    """Many small tensors of mixed dtypes and shapes (0-d included), stored back to back."""
+    generator = torch.Generator().manual_seed(7)
+    state = {}
+    for i in range(300):
+        kind = i % 5
+        if kind == 0:
+            state[f"t{i}"] = torch.randn(17 + i, generator=generator)
+        elif kind == 1:
+            state[f"t{i}"] = torch.randn(3, 5, generator=generator).to(torch.bfloat16)
+        elif kind == 2:
+            state[f"t{i}"] = torch.randint(-99, 99, (i % 7 + 1,), generator=generator)
+        elif kind == 3:
+            state[f"t{i}"] = torch.randn((), generator=generator, dtype=torch.float64)
+        else:
+            state[f"t{i}"] = torch.rand(4, 2, generator=generator) > 0.5
+    return state
+
+
+def flip_byte(path, manifest, name: str, at: int) -> None:
+    """Flip one stored byte of tensor ``name``'s first shard, ``at`` bytes into it."""
+    stored = manifest.tensors[name].shards[0].bytes
+    victim = path / f"gen-{manifest.generation:08d}" / manifest.files[stored.file]
+    raw = bytearray(victim.read_bytes())
+    raw[stored.offset + at] ^= 0x10
+    victim.write_bytes(bytes(raw))
+
+
+def test_small_tensors_are_read_together_bitwise(tmp_path):
+    state = small_state()
+    bcp.save(tmp_path, {"model": state})
+    out = {name: torch.zeros_like(t) for name, t in state.items()}
+    storage = CountingStorage(tmp_path)
+    bcp.load(storage, {"model": out})
+    for name, tensor in state.items():
+        assert torch.equal(out[name], tensor) and out[name].dtype == tensor.dtype, name
+    assert storage.data_reads < len(state) // 10  # a few vectored reads, not one per tensor
+
+
+def test_corrupt_small_tensor_among_many_is_named(tmp_path):
+    state = small_state()
+    bcp.save(tmp_path, {"model": state})
+    flip_byte(tmp_path, read_manifest(tmp_path), "model/t151", 5)
+    out = {name: torch.zeros_like(t) for name, t in state.items()}
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"checksum mismatch in data/.*'model/t151'"):
+        bcp.load(tmp_path, {"model": out})
+    bcp.load(tmp_path, {"model": out}, verify=False)
+    assert not torch.equal(out["t151"], state["t151"])
+    assert all(torch.equal(out[n], t) for n, t in state.items() if n != "t151")
+
+
+def test_truncation_inside_a_batch_names_the_first_tensor_cut(tmp_path):
+    state = small_state()
+    bcp.save(tmp_path, {"model": state})
+    manifest = read_manifest(tmp_path)
+    stored = manifest.tensors["model/t200"].shards[0].bytes
+    victim = tmp_path / "gen-00000001" / manifest.files[stored.file]
+    with open(victim, "r+b") as f:
+        f.truncate(stored.offset + 1)
+    out = {name: torch.zeros_like(t) for name, t in state.items()}
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"truncated.*'model/t200'"):
+        bcp.load(tmp_path, {"model": out})
+
+
+def row_halves(tensor: torch.Tensor) -> list[bcp.TensorShard]:
+    cut = tensor.shape[0] // 2
+    return [bcp.TensorShard(tensor[:cut], tuple(tensor.shape), (0, 0)),
+            bcp.TensorShard(tensor[cut:], tuple(tensor.shape), (cut, 0))]
+
+
+def column_pieces(shape: tuple[int, int], cuts: list[int]) -> list[bcp.TensorShard]:
+    """Zeroed pieces covering all rows and the column ranges between ``cuts``."""
+    return [bcp.TensorShard(torch.zeros(shape[0], end - start), shape, (0, start))
+            for start, end in itertools.pairwise(cuts)]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_rows_saved_columns_loaded_bitwise(tmp_path, monkeypatch, verify):
+    from bcp.engine import reader
+
+    if not verify:  # parts that end mid-row, so each part's copy is cut into several boxes
+        monkeypatch.setattr(reader, "SCRATCH_PART_BYTES", 3_000_004)
+    tensor = torch.randn(6, 700_000)  # row halves of ~8 MiB: several checksum chunks each
+    bcp.save(tmp_path, {"model": {"w": row_halves(tensor)}})
+    shape = tuple(tensor.shape)
+    pieces = column_pieces(shape, [0, 1, 350_001, 699_998, 700_000])
+    bcp.load(tmp_path, {"model": {"w": pieces}}, verify=verify)
+    for piece in pieces:
+        start = piece.offsets[1]
+        assert torch.equal(piece.tensor, tensor[:, start: start + piece.tensor.shape[1]])
+
+
+def test_partial_read_skips_parts_with_nothing_wanted(tmp_path):
+    tensor = torch.randn(ROWS, COLUMNS)
+    bcp.save(tmp_path, {"model": {"w": tensor}})
+    piece = column_pieces((ROWS, COLUMNS), [0, 1000])[0]
+    result = bcp.load(tmp_path, {"model": {"w": [piece]}})
+    assert torch.equal(piece.tensor, tensor[:, :1000])
+    chunk = 4 << 20  # the start of each row: the chunks of row 0 and row 1 that hold columns 0..999
+    assert result.stats.bytes == 2 * chunk
+
+
+def test_corruption_in_the_unwanted_bytes_of_a_chunk_read_is_detected(tmp_path):
+    tensor = torch.randn(ROWS, COLUMNS)
+    bcp.save(tmp_path, {"model": {"w": tensor}})
+    manifest = read_manifest(tmp_path)
+    flip_byte(tmp_path, manifest, "model/w", 4000 * 4)  # row 0, column 4000: in the first chunk, not wanted
+    piece = column_pieces((ROWS, COLUMNS), [0, 1000])[0]
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"checksum mismatch.*'model/w'"):
+        bcp.load(tmp_path, {"model": {"w": [piece]}})
+    # A chunk that holds nothing wanted is not read, so its damage is not this load's concern.
+    tensor_path = tmp_path / "second"
+    bcp.save(tensor_path, {"model": {"w": tensor}})
+    flip_byte(tensor_path, read_manifest(tensor_path), "model/w", (4 << 20) + 5)  # the second chunk
+    bcp.load(tensor_path, {"model": {"w": [piece]}})
+    assert torch.equal(piece.tensor, tensor[:, :1000])
+
+
+class PlainReads(LocalStorage):
+    """A backend without vectored reads of its own: the protocol's default loops over read_into."""
+
+    read_into_many = Storage.read_into_many
+
+    def read_into(self, name, offset, dest) -> None:
+        with open(self._path(name), "rb") as f:
+            f.seek(offset)
+            if f.readinto(dest) != dest.nbytes:
+                raise EOFError(name)
+
+
+def test_backend_without_vectored_reads_loads_bitwise(tmp_path):
+    state = small_state()
+    bcp.save(tmp_path, {"model": state})
+    out = {name: torch.zeros_like(t) for name, t in state.items()}
+    bcp.load(PlainReads(tmp_path), {"model": out})
+    assert all(torch.equal(out[n], t) for n, t in state.items())
+
+
+def test_vectored_read_spans_many_calls_and_buffers(tmp_path, monkeypatch):
+    from bcp.storage import local
+
+    monkeypatch.setattr(local, "_IOV_MAX", 3)  # several preadv calls, each ending mid-list
+    content = bytes(range(256)) * 40
+    (tmp_path / "blob").write_bytes(content)
+    sizes = [5, 0, 700, 1, 3000, 0, 17, 2048, 9, 1000]
+    buffers = [bytearray(n) for n in sizes]
+    LocalStorage(tmp_path).read_into_many("blob", 100, [memoryview(b) for b in buffers])
+    assert b"".join(buffers) == content[100: 100 + sum(sizes)]
+    with pytest.raises(EOFError):
+        LocalStorage(tmp_path).read_into_many("blob", len(content) - 10, [memoryview(bytearray(n)) for n in (4, 7)])
