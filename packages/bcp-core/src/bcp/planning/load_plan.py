@@ -13,7 +13,7 @@ from bcp.layout.box import Box
 from bcp.layout.dtypes import dtype_name
 from bcp.layout.manifest import Manifest, ShardEntry
 from bcp.layout.shard_table import ShardTable
-from bcp.planning.pieces import Piece
+from bcp.planning.pieces import Piece, box_columns
 
 
 @dataclass(slots=True)
@@ -53,7 +53,10 @@ def _plan_over(table: ShardTable, group: list[tuple[Piece, int, int]], path: str
     pieces = [piece for piece, _, _ in group]
     firsts = np.array([first for _, first, _ in group], dtype=np.int64)
     counts = np.array([count for _, _, count in group], dtype=np.int64)
-    wanted_lo, wanted_hi = _padded_boxes(pieces, table.ndim)
+    # A piece with more dimensions than the table belongs to a tensor without shards: cut, it is
+    # still not covered.
+    wanted_lo, wanted_length = box_columns(pieces, table.ndim)
+    wanted_hi = wanted_lo + wanted_length
     # One candidate pair per (piece, shard of its tensor), pieces in order.
     pair_piece = np.repeat(np.arange(len(pieces)), counts)
     pair_index = np.arange(len(pair_piece)) - np.repeat(np.cumsum(counts) - counts, counts)
@@ -76,17 +79,6 @@ def _plan_over(table: ShardTable, group: list[tuple[Piece, int, int]], path: str
         whole = offsets == piece.box.offsets and lengths == piece.box.lengths
         ops.append(ReadOp(piece, shard, piece.box if whole else Box(offsets, lengths), index))
     return ops
-
-
-def _padded_boxes(pieces: list[Piece], ndim: int) -> tuple[np.ndarray, np.ndarray]:
-    """The pieces' box starts and ends as ``[len(pieces), ndim]`` arrays, padded as the table pads
-    its boxes (offset 0, length 1)."""
-    # A piece with more dimensions than the table belongs to a tensor without shards: cut, it is
-    # still not covered.
-    zeros, ones = (0,) * ndim, (1,) * ndim
-    lo = np.array([(p.box.offsets + zeros)[:ndim] for p in pieces], dtype=np.int64).reshape(len(pieces), ndim)
-    lengths = np.array([(p.box.lengths + ones)[:ndim] for p in pieces], dtype=np.int64).reshape(len(pieces), ndim)
-    return lo, lo + lengths
 
 
 def _check_covered(pieces: list[Piece], covered: np.ndarray, wanted: np.ndarray, path: str) -> None:

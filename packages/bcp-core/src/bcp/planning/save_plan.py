@@ -20,7 +20,7 @@ import numpy as np
 
 from bcp.errors import MismatchError
 from bcp.layout.dtypes import dtype_from_name, dtype_name, itemsize
-from bcp.planning.pieces import Piece
+from bcp.planning.pieces import Piece, box_columns
 
 # Coverage is proven by volume plus pairwise disjointness; tensors with more distinct boxes than
 # this skip the pairwise test (volume and bounds are still checked, and a load re-checks that the
@@ -40,9 +40,7 @@ def local_plan(tensors: list[tuple[str, Any, tuple[int, ...]]], pieces: list[Pie
     for the replica check only, the crc32c of their bytes (uint32)."""
     index = {name: i for i, (name, _, _) in enumerate(tensors)}
     ndim = max([len(p.box.offsets) for p in pieces], default=0)
-    zeros, ones = (0,) * ndim, (1,) * ndim
-    offsets = np.array([(p.box.offsets + zeros)[:ndim] for p in pieces], dtype=np.int64).reshape(len(pieces), ndim)
-    lengths = np.array([(p.box.lengths + ones)[:ndim] for p in pieces], dtype=np.int64).reshape(len(pieces), ndim)
+    offsets, lengths = box_columns(pieces, ndim)
     tensor = np.array([index[p.name] for p in pieces], dtype=np.int64)
     crcs = np.array(replica_crcs, dtype=np.uint32).tobytes() if replica_crcs is not None else None
     return [[[n, dtype_name(d), list(s)] for n, d, s in tensors], ndim, tensor.tobytes(), offsets.tobytes(),
