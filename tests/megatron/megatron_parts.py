@@ -100,14 +100,8 @@ def rank() -> int:
     return dist.get_rank()
 
 
-@contextlib.contextmanager
-def cpu_megatron_optimizer() -> Iterator[None]:
-    """Megatron's DDP and DistributedOptimizer assume CUDA (``device='cuda'`` tensors, type names
-    like ``torch.cuda.FloatTensor``); these patches map them to the CPU for the duration of a case
-    and restore everything after. They are the test's business: bcp's own path needs none."""
-    import megatron.core.optimizer.clip_grads as clip_grads
-    import megatron.core.optimizer.optimizer as optimizer_module
-    import megatron.core.utils as core_utils
+def torch_on_cpu() -> types.ModuleType:
+    """``torch`` for a Megatron module's globals, whose tensor factories put ``device='cuda'`` on the CPU."""
 
     class CpuTorch(types.ModuleType):
         def __getattr__(self, name: str) -> Any:
@@ -121,6 +115,19 @@ def cpu_megatron_optimizer() -> Iterator[None]:
     cpu_torch = CpuTorch("torch")
     for name in ("tensor", "zeros", "ones", "empty", "full"):
         setattr(cpu_torch, name, on_cpu(getattr(torch, name)))
+    return cpu_torch
+
+
+@contextlib.contextmanager
+def cpu_megatron_optimizer() -> Iterator[None]:
+    """Megatron's DDP and DistributedOptimizer assume CUDA (``device='cuda'`` tensors, type names
+    like ``torch.cuda.FloatTensor``); these patches map them to the CPU for the duration of a case
+    and restore everything after. They are the test's business: bcp's own path needs none."""
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as optimizer_module
+    import megatron.core.utils as core_utils
+
+    cpu_torch = torch_on_cpu()
     tensor_type = torch.Tensor.type
 
     def cuda_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -181,10 +188,14 @@ def prime_for_load(optimizer: Any) -> None:
         inner._init_optimizer_states_with_dummy_values()
 
 
-def unshare_steps(optimizer: Any) -> None:
-    """Without Apex or Transformer Engine, Megatron's DistributedOptimizer.load_state_dict gives
-    every parameter the same 'step' tensor, which torch's Adam then increments once per parameter;
-    each parameter gets its own copy, as after a regular step."""
+def restore_steps(optimizer: Any) -> None:
+    """Without Apex or Transformer Engine, Megatron's DistributedOptimizer runs torch's Adam, which keeps
+    a 'step' per parameter. Its load_state_dict puts the checkpoint's step in ``param_groups`` only:
+    the state is left with one tensor shared by every parameter (which Adam would advance once per
+    parameter) that holds the fresh optimizer's step (written back by
+    ``_set_main_param_and_optimizer_states``). Each parameter gets its own copy of the loaded step,
+    as after a regular step; groups nothing was loaded into (no 'step') are left alone."""
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in inner.optimizer.state.values():
-            state["step"] = state["step"].clone()
+        for group in inner.optimizer.param_groups:
+            for param in group["params"] if "step" in group else []:
+                inner.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))

@@ -8,7 +8,7 @@ import torch
 
 import bcp_megatron  # noqa: F401  (registers the 'bcp' backend)
 from megatron_parts import (assemble, assert_bitwise, cpu_megatron_optimizer, distributed_optimizer, gpt,
-                            main_pieces, parallel, prime_for_load, scramble, step, unshare_steps)
+                            main_pieces, parallel, prime_for_load, scramble, step, restore_steps)
 
 DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable"}
 
@@ -25,7 +25,8 @@ def save_trained(path: str) -> tuple[list, list]:
     with cpu_megatron_optimizer(), parallel():
         model = gpt(seed=1, num_layers=2)
         _, optimizer = distributed_optimizer(model)
-        step(model, optimizer, seed=1)
+        for seed in (0, 1):  # two steps, so that the saved Adam step differs from a fresh optimizer's
+            step(model, optimizer, seed=seed)
         state = sharded(model, optimizer)
         dist_checkpointing.save(state, path, sharded_strategy=("bcp", 1))
         saved = main_pieces(state)
@@ -45,7 +46,7 @@ def load_and_continue(path: str) -> tuple[list, list, list]:
         model.load_state_dict(loaded["model"])
         with torch.no_grad():  # fp32 parameters are their own main copies: views that require grad
             optimizer.load_state_dict(loaded["optimizer"])
-        unshare_steps(optimizer)
+        restore_steps(optimizer)
         state = sharded(model, optimizer)
         pieces = main_pieces(state)
         irregular = [v.key for v in _sharded_tensors(state) if v.axis_fragmentations is None]
