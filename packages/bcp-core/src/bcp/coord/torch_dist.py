@@ -11,6 +11,10 @@ import torch.distributed as dist
 from bcp.errors import DistributedError
 
 DEFAULT_TIMEOUT_S = 600.0
+# Size of the block every exchange starts with (per rank, so it stays small for thousands of ranks).
+BLOCK_BYTES = 256
+_HEADER_BYTES = 16
+INLINE_BYTES = BLOCK_BYTES - _HEADER_BYTES
 # (id of parent group, timeout, channel) -> gloo group; entries whose group was destroyed are rebuilt.
 _groups: dict[tuple[int, float, str], "dist.ProcessGroup"] = {}
 
@@ -37,50 +41,66 @@ class TorchCoordinator:
     def cache_key(self) -> object:
         return (id(self.group), self.rank, self.world_size)
 
-    def _sizes(self, data: bytes) -> list[int]:
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        self._run(dist.all_gather, sizes, size, group=self.group)
-        return [int(s.item()) for s in sizes]
+    # Every exchange first sends one fixed-size block per rank: a header and, when the message fits,
+    # the message itself. Small messages (agreements, acknowledgements, errors) so take one
+    # collective; a larger one is sent in a second collective, padded to the largest message.
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        sizes = self._sizes(data)
-        padded = _to_tensor(data, max(sizes))
+        blocks = self._all_gather_blocks(data)
+        sizes = [_size_of(b) for b in blocks]
+        if max(sizes) <= INLINE_BYTES:
+            return [_payload(b, n) for b, n in zip(blocks, sizes)]
         out = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(self.world_size)]
-        self._run(dist.all_gather, out, padded, group=self.group)
+        self._run(dist.all_gather, out, _to_tensor(data, max(sizes)), group=self.group)
         return [bytes(t[:n].numpy()) for t, n in zip(out, sizes)]
 
     def gather_bytes(self, data: bytes) -> list[bytes] | None:
-        # all_gather of the sizes keeps every rank's padded length equal; gloo's gather needs that.
-        sizes = self._sizes(data)
+        blocks = self._all_gather_blocks(data)
+        sizes = [_size_of(b) for b in blocks]
+        if max(sizes) <= INLINE_BYTES:
+            return [_payload(b, n) for b, n in zip(blocks, sizes)] if self.rank == 0 else None
+        # gloo's gather needs every rank's tensor the same size: the sizes just gathered give it.
         padded = _to_tensor(data, max(sizes))
+        dst = dist.get_global_rank(self.group, 0)
         if self.rank == 0:
             out = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(self.world_size)]
-            self._run(dist.gather, padded, out, dst=dist.get_global_rank(self.group, 0), group=self.group)
+            self._run(dist.gather, padded, out, dst=dst, group=self.group)
             return [bytes(t[:n].numpy()) for t, n in zip(out, sizes)]
-        self._run(dist.gather, padded, None, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        self._run(dist.gather, padded, None, dst=dst, group=self.group)
         return None
 
     def scatter_bytes(self, parts: list[bytes] | None) -> bytes:
         src = dist.get_global_rank(self.group, 0)
-        header = torch.zeros(self.world_size, dtype=torch.int64)
+        blocks = None
         if self.rank == 0:
             assert parts is not None and len(parts) == self.world_size
-            header = torch.tensor([len(p) for p in parts], dtype=torch.int64)
-        self._run(dist.broadcast, header, src=src, group=self.group)
-        width = int(header.max().item()) if self.world_size else 0
-        out = torch.empty(width, dtype=torch.uint8)
+            width = max(len(p) for p in parts)
+            blocks = [_block(p, width) for p in parts]
+        out = torch.empty(BLOCK_BYTES, dtype=torch.uint8)
+        self._run(dist.scatter, out, blocks, src=src, group=self.group)
+        size, width = _size_of(out), _width_of(out)
+        if width <= INLINE_BYTES:
+            return _payload(out, size)
+        big = torch.empty(width, dtype=torch.uint8)
         chunks = [_to_tensor(p, width) for p in parts] if self.rank == 0 else None
-        self._run(dist.scatter, out, chunks, src=src, group=self.group)
-        return bytes(out[: int(header[self.rank].item())].numpy())
+        self._run(dist.scatter, big, chunks, src=src, group=self.group)
+        return bytes(big[:size].numpy())
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
         src = dist.get_global_rank(self.group, 0)
-        size = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64)
-        self._run(dist.broadcast, size, src=src, group=self.group)
-        buf = _to_tensor(data, int(size.item())) if self.rank == 0 else torch.empty(int(size.item()), dtype=torch.uint8)
+        block = _block(data, len(data)) if self.rank == 0 else torch.empty(BLOCK_BYTES, dtype=torch.uint8)
+        self._run(dist.broadcast, block, src=src, group=self.group)
+        size = _size_of(block)
+        if size <= INLINE_BYTES:
+            return _payload(block, size)
+        buf = _to_tensor(data, size) if self.rank == 0 else torch.empty(size, dtype=torch.uint8)
         self._run(dist.broadcast, buf, src=src, group=self.group)
         return bytes(buf.numpy())
+
+    def _all_gather_blocks(self, data: bytes) -> list[torch.Tensor]:
+        blocks = [torch.empty(BLOCK_BYTES, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._run(dist.all_gather, blocks, _block(data, len(data)), group=self.group)
+        return blocks
 
     def _run(self, op, *args, **kwargs) -> None:
         try:
@@ -92,6 +112,28 @@ class TorchCoordinator:
                 f"checkpoint coordination failed after at most {self.timeout:.0f}s "
                 f"(a rank died, hung or did not call bcp): {exc}"
             ) from exc
+
+
+def _block(data: bytes, width: int) -> torch.Tensor:
+    """A fixed-size block: the message's size, the widest message of the exchange (both int64),
+    then the message itself if that widest one fits."""
+    block = torch.zeros(BLOCK_BYTES, dtype=torch.uint8)
+    block[:_HEADER_BYTES].view(torch.int64)[:] = torch.tensor([len(data), width], dtype=torch.int64)
+    if width <= INLINE_BYTES and data:
+        block[_HEADER_BYTES:_HEADER_BYTES + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return block
+
+
+def _size_of(block: torch.Tensor) -> int:
+    return int(block[:_HEADER_BYTES].view(torch.int64)[0])
+
+
+def _width_of(block: torch.Tensor) -> int:
+    return int(block[:_HEADER_BYTES].view(torch.int64)[1])
+
+
+def _payload(block: torch.Tensor, size: int) -> bytes:
+    return bytes(block[_HEADER_BYTES:_HEADER_BYTES + size].numpy())
 
 
 def _to_tensor(data: bytes, width: int) -> torch.Tensor:
