@@ -11,7 +11,8 @@ WRAPPER_PREFIXES = ("module", "_fsdp_wrapped_module", "_orig_mod", "_checkpoint_
 
 
 def canonical(name: str) -> str:
-    if not any(prefix in name for prefix in WRAPPER_PREFIXES):  # most names: no wrapper to remove
+    # Every wrapper prefix contains "module" or "_orig_mod": most names have neither, nothing to remove.
+    if "module" not in name and "_orig_mod" not in name:
         return name
     return ".".join(part for part in name.split(".") if part not in WRAPPER_PREFIXES)
 

@@ -305,7 +305,8 @@ class _ManifestParser:
             raise self.fail(f"unknown dtype {dtype!r}", name) from None
 
     def ints(self, value: Any, name: str, what: str) -> tuple[int, ...]:
-        if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):
+        # ``type(v) is int`` also refuses bools; checked per tensor, so kept to two passes in C
+        if type(value) is not list or not all(type(v) is int for v in value) or min(value, default=0) < 0:
             raise self.fail(f"'{what}' must be a list of non-negative integers", name)
         return tuple(value)
 

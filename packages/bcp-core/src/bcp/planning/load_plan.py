@@ -69,15 +69,16 @@ def _plan_over(table: ShardTable, group: list[tuple[Piece, int, int]], path: str
     covered = np.zeros(len(pieces), dtype=np.int64)
     np.add.at(covered, pair_piece, np.prod(extent, axis=1))
     _check_covered(pieces, covered, np.prod(wanted_hi - wanted_lo, axis=1), path)
+    # Most reads fill their whole piece (loading into the saved layout): those share its box.
+    whole = np.all((lo == wanted_lo[pair_piece]) & (extent == wanted_length[pair_piece]), axis=1)
     ndims = [pieces[p].box.ndim for p in pair_piece.tolist()]
     shards = table.entries(pair_row, ndims)
     ops = []
-    for p, index, offsets, lengths, shard, ndim in zip(pair_piece.tolist(), pair_index.tolist(), lo.tolist(),
-                                                       extent.tolist(), shards, ndims):
+    for p, index, is_whole, shard, ndim, offsets, lengths in zip(
+            pair_piece.tolist(), pair_index.tolist(), whole.tolist(), shards, ndims, lo.tolist(), extent.tolist()):
         piece = pieces[p]
-        offsets, lengths = tuple(offsets[:ndim]), tuple(lengths[:ndim])
-        whole = offsets == piece.box.offsets and lengths == piece.box.lengths
-        ops.append(ReadOp(piece, shard, piece.box if whole else Box(offsets, lengths), index))
+        region = piece.box if is_whole else Box(tuple(offsets[:ndim]), tuple(lengths[:ndim]))
+        ops.append(ReadOp(piece, shard, region, index))
     return ops
 
 
