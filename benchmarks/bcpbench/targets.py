@@ -57,7 +57,8 @@ def plan_share(record: Record, label: str) -> float | None:
     return ratio(statistics.median(cached), statistics.median(first)) if cached and first else None
 
 
-def checks(record: Record) -> list[Check]:
+def checks(record: Record, scale: dict | None = None) -> list[Check]:
+    """The targets of one run; ``scale`` holds ``planning_scale.py``'s figures, if it ran."""
     out: list[Check] = []
     for case in (d1.SAVE, d2.SAVE_SHARDED, d2.SAVE_COLUMNS, d2.SAVE_REPLICATED):
         out.append(Check("sync save vs raw fsync'd write", case,
@@ -75,6 +76,10 @@ def checks(record: Record) -> list[Check]:
         share = plan_share(record, label)
         out.append(Check("cached re-planning vs first planning", where,
                          None if share is None else share * 100, 2.0, False, "%"))
+    if scale and "cached_replan_share_pct" in scale:
+        out.append(Check("cached re-planning vs first planning",
+                         f"coordinator of {scale['ranks']} ranks (planning_scale.py, simulated)",
+                         scale["cached_replan_share_pct"], 2.0, False, "%"))
     for case, method, what in (("per-tensor: save", BCP, "save, cached plan"),
                                ("per-tensor: save", FIRST_SAVE, "save, first of the structure"),
                                ("per-tensor: load warm", BCP, "warm load")):

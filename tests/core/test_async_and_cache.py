@@ -74,27 +74,43 @@ def test_process_exit_waits_for_pending_async_saves(tmp_path):
     assert torch.equal(out["w"], torch.arange(2_000_000.0))
 
 
-class CountingCoordinator(bcp.TorchCoordinator):
-    """A real coordinator that counts its gathers (planning exchanges are gathers)."""
+class CountsCollectives:
+    """Mixed into a real coordinator: counts its collectives (a gather and its scatter are two)."""
 
-    gathers = 0
+    collectives = 0
+
+    def all_gather_bytes(self, data):
+        type(self).collectives += 1
+        return super().all_gather_bytes(data)
 
     def gather_bytes(self, data):
-        type(self).gathers += 1
+        type(self).collectives += 1
         return super().gather_bytes(data)
+
+    def scatter_bytes(self, parts):
+        type(self).collectives += 1
+        return super().scatter_bytes(parts)
+
+    def broadcast_bytes(self, data):
+        type(self).collectives += 1
+        return super().broadcast_bytes(data)
+
+
+class CountingCoordinator(CountsCollectives, bcp.TorchCoordinator):
+    collectives = 0
 
 
 def cache_case(path: str) -> list[int]:
-    """Gathers per save: a first save, an unchanged one (cache hit), one where only rank 1's shapes
-    change (every rank must replan), and the changed structure again (hit)."""
+    """Collectives per save: a first save, an unchanged one (cache hit), one where only rank 1's
+    shapes change (every rank must replan), and the changed structure again (hit)."""
     save_module._plan_cache.clear()
     coordinator = CountingCoordinator()
     counts = []
     for step, rows in enumerate([4, 4, 4 + rank(), 4 + rank()]):
-        before = CountingCoordinator.gathers
+        before = CountingCoordinator.collectives
         state = {f"r{rank()}": torch.full((rows, 3), float(step)), "shared": torch.ones(5)}
         bcp.save(f"{path}/{step}", {"model": state}, coordinator=coordinator)
-        counts.append(CountingCoordinator.gathers - before)
+        counts.append(CountingCoordinator.collectives - before)
         out = {f"r{rank()}": torch.zeros(rows, 3), "shared": torch.zeros(5)}
         bcp.load(f"{path}/{step}", {"model": out}, strict=False)
         assert torch.equal(out[f"r{rank()}"], state[f"r{rank()}"]) and torch.equal(out["shared"], torch.ones(5))
@@ -103,16 +119,13 @@ def cache_case(path: str) -> list[int]:
 
 def test_plan_cache_reuses_and_invalidates_on_any_rank_change(ranks, tmp_path):
     counts = ranks(2).run(cache_case, str(tmp_path))
-    # uncached save: agree + plan + commit = 3 gathers; cached: agree + commit = 2
-    assert counts == [[3, 2, 3, 2]] * 2
+    # uncached: the agreement (1 all-gather), the plan and the commit (a gather and a scatter each) = 5;
+    # cached: the agreement and the commit = 3
+    assert counts == [[5, 3, 5, 3]] * 2
 
 
-class CountingSingleProcess(bcp.SingleProcessCoordinator):
-    gathers = 0
-
-    def gather_bytes(self, data):
-        type(self).gathers += 1
-        return super().gather_bytes(data)
+class CountingSingleProcess(CountsCollectives, bcp.SingleProcessCoordinator):
+    collectives = 0
 
 
 def halves(tensor: torch.Tensor, cut: int) -> list:
@@ -127,18 +140,18 @@ def test_plan_cache_replans_on_dtype_name_and_box_changes(tmp_path):
     coordinator = CountingSingleProcess()
     base = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     steps = [
-        ("first", {"w": base}, 3),
-        ("unchanged, new values", {"w": base + 1}, 2),
-        ("dtype of the same size", {"w": base.to(torch.int32)}, 3),
-        ("renamed", {"v": base.to(torch.int32)}, 3),
-        ("cut in two at row 2", {"v": halves(base, 2)}, 3),
-        ("same cut", {"v": halves(base + 5, 2)}, 2),
-        ("cut at row 1", {"v": halves(base + 5, 1)}, 3),
+        ("first", {"w": base}, 5),
+        ("unchanged, new values", {"w": base + 1}, 3),
+        ("dtype of the same size", {"w": base.to(torch.int32)}, 5),
+        ("renamed", {"v": base.to(torch.int32)}, 5),
+        ("cut in two at row 2", {"v": halves(base, 2)}, 5),
+        ("same cut", {"v": halves(base + 5, 2)}, 3),
+        ("cut at row 1", {"v": halves(base + 5, 1)}, 5),
     ]
-    for step, (what, model, gathers) in enumerate(steps):
-        before = CountingSingleProcess.gathers
+    for step, (what, model, collectives) in enumerate(steps):
+        before = CountingSingleProcess.collectives
         bcp.save(tmp_path / str(step), {"model": model}, coordinator=coordinator)
-        assert CountingSingleProcess.gathers - before == gathers, what
+        assert CountingSingleProcess.collectives - before == collectives, what
         name, value = next(iter(model.items()))
         expected = torch.cat([s.tensor for s in value]) if isinstance(value, list) else value
         out = {name: torch.zeros_like(expected)}

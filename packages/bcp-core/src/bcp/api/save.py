@@ -14,7 +14,7 @@ from bcp.api.components import RESHARDED, check_keys, collect
 from bcp.api.location import resolve
 from bcp.api.results import PhaseStats, SaveHandle
 from bcp.coord import Coordinator, default_coordinator
-from bcp.coord.consensus import Outcome, gather_then_reply
+from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
 from bcp.engine import background
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import crc_of
@@ -139,17 +139,21 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome,
                    cache: bool) -> tuple[int, CachedPlan]:
     """The generation to write and this rank's share of the global plan. When every rank's
     structure is unchanged since the previous save, the cached global plan is reused after one
-    small exchange; otherwise local plans are gathered and planned again."""
+    small exchange (every rank's hit flag, and rank 0's generation, to every rank); otherwise local
+    plans are gathered and planned again."""
     key = coord.cache_key()
     structure = collected.value.structure if cache and collected.error is None else None
     hit = _plan_cache.get(key, structure) if structure is not None else None
     what = f"planning the save of {location.display}"
 
-    def agree(flags: list[bool]) -> list[Any]:
-        return [[_next_generation(location), all(flags)]] * coord.world_size
+    def propose() -> list[Any]:
+        if collected.error is not None:
+            raise collected.error
+        return [hit is not None, _next_generation(location) if coord.rank == 0 else None]
 
-    generation, reuse = gather_then_reply(coord, Outcome(hit is not None, collected.error), agree, what)
-    if reuse:
+    proposals = all_agree(coord, Outcome.of(propose), what)
+    generation = proposals[0][1]
+    if all(flag for flag, _ in proposals):
         return generation, hit
     kept: dict[str, Any] = {}
 
