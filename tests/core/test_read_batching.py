@@ -217,3 +217,95 @@ def test_each_reader_thread_streams_its_own_file_forward(tmp_path, monkeypatch):
         for name, offset in reads:
             by_file.setdefault(name, []).append(offset)
         assert all(offsets == sorted(offsets) for offsets in by_file.values())
+
+
+class ScratchCounter:
+    """Counts the bytes the reader copies out of scratch memory (the rest went straight into the
+    destination)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from bcp.engine import reader
+
+        self.nbytes = 0
+        copy_out, copy_bytes = reader._copy_out, reader._copy_bytes
+
+        def counting_copy_out(piece, shard, boxes, first_element, scratch):
+            self.nbytes += sum(box.numel for box in boxes) * piece.tensor.element_size()
+            copy_out(piece, shard, boxes, first_element, scratch)
+
+        def counting_copy_bytes(dests, skip, scratch):
+            self.nbytes += sum(dest.nbytes for dest in dests)
+            copy_bytes(dests, skip, scratch)
+
+        monkeypatch.setattr(reader, "_copy_out", counting_copy_out)
+        monkeypatch.setattr(reader, "_copy_bytes", counting_copy_bytes)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_saved_shards_read_straight_into_part_of_a_larger_destination(tmp_path, monkeypatch, verify):
+    """Row halves saved by two ranks, loaded whole by one (2 -> 1): each half is one contiguous run
+    of the destination, read straight into it; with verification only the chunks that straddle
+    the cut between the halves go through scratch, and every stored byte is read once."""
+    tensor = torch.randn(7, 1_000_003)  # halves of 3 and 4 rows: ~11 and ~15 MiB, cut mid-chunk
+    bcp.save(tmp_path, {"model": {"w": row_halves(tensor)}})
+    counter = ScratchCounter(monkeypatch)
+    out = torch.zeros_like(tensor)
+    result = bcp.load(tmp_path, {"model": {"w": out}}, verify=verify)
+    assert torch.equal(out, tensor)
+    assert result.stats.bytes == tensor.numel() * 4
+    # The halves are stored as separate ranges, each from its own chunk 0: each half's last chunk
+    # ends at its stored end, so nothing needs scratch either way.
+    assert counter.nbytes == 0
+
+
+def test_flat_shard_read_straight_into_its_boxes_with_partial_chunks_through_scratch(tmp_path, monkeypatch):
+    """A flat range (as FSDP and ZeRO hold) of a whole saved tensor, starting and ending inside
+    checksum chunks: its boxes' runs are read straight into its memory, and only the two partly
+    wanted chunks at the ends go through scratch (whole, so their checksums are still verified)."""
+    rows, columns = 9, 1_000_000
+    tensor = torch.randn(rows, columns)
+    bcp.save(tmp_path, {"model": {"w": tensor}})
+    start, length = 1_500_000, 5_000_001  # elements: starts mid-row and mid-chunk, ends mid-row
+    flat = bcp.FlatShard(torch.zeros(length), (rows, columns), start)
+    counter = ScratchCounter(monkeypatch)
+    result = bcp.load(tmp_path, {"model": {"w": flat}})
+    assert torch.equal(flat.tensor, tensor.flatten()[start: start + length])
+    chunk_elements = (4 << 20) // 4
+    head = -(-start // chunk_elements) * chunk_elements - start
+    tail = (start + length) - (start + length) // chunk_elements * chunk_elements
+    assert counter.nbytes == (head + tail) * 4
+    assert result.stats.bytes == (-(-(start + length) // chunk_elements) - start // chunk_elements) * (4 << 20)
+
+
+def test_corruption_in_a_chunk_read_straight_into_a_part_of_the_destination_is_detected(tmp_path):
+    tensor = torch.randn(7, 1_000_003)
+    bcp.save(tmp_path, {"model": {"w": row_halves(tensor)}})
+    manifest = read_manifest(tmp_path)
+    flip_byte(tmp_path, manifest, "model/w", (5 << 20) + 3)  # inside the first half's second chunk
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"checksum mismatch in data/.*'model/w'"):
+        bcp.load(tmp_path, {"model": {"w": torch.zeros_like(tensor)}})
+
+
+def test_flat_shard_without_verification_reads_just_its_bytes(tmp_path, monkeypatch):
+    rows, columns = 9, 1_000_000
+    tensor = torch.randn(rows, columns)
+    bcp.save(tmp_path, {"model": {"w": tensor}})
+    start, length = 1_500_000, 5_000_001
+    flat = bcp.FlatShard(torch.zeros(length), (rows, columns), start)
+    counter = ScratchCounter(monkeypatch)
+    result = bcp.load(tmp_path, {"model": {"w": flat}}, verify=False)
+    assert torch.equal(flat.tensor, tensor.flatten()[start: start + length])
+    assert counter.nbytes == 0 and result.stats.bytes == length * 4
+
+
+def test_corruption_outside_a_flat_shard_in_a_chunk_it_reads_is_detected(tmp_path):
+    """The first chunk a flat shard needs is partly someone else's: a flipped byte in that other
+    part still fails the chunk's checksum."""
+    rows, columns = 9, 1_000_000
+    tensor = torch.randn(rows, columns)
+    bcp.save(tmp_path, {"model": {"w": tensor}})
+    start, length = 1_500_000, 5_000_001
+    flip_byte(tmp_path, read_manifest(tmp_path), "model/w", start * 4 - 8)  # just before the shard
+    flat = bcp.FlatShard(torch.zeros(length), (rows, columns), start)
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"checksum mismatch in data/.*'model/w'"):
+        bcp.load(tmp_path, {"model": {"w": flat}})

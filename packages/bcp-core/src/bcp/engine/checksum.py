@@ -12,5 +12,6 @@ def chunk_crcs(data: memoryview, chunk: int) -> list[int]:
     return [crc32c(data[i: i + chunk]) for i in range(0, data.nbytes, chunk)]
 
 
-def crc_of(data: memoryview) -> int:
-    return crc32c(data)
+def crc_of(data: memoryview, previous: int = 0) -> int:
+    """The crc32c of ``data``; with ``previous``, that of the bytes before it followed by ``data``."""
+    return crc32c(data, previous)

@@ -1,14 +1,17 @@
 """Reading: byte ranges of saved shards straight into destination memory where the layouts allow
 it, through a scratch buffer where they do not, verifying the checksum of every chunk read.
 
-Each read op becomes segments: parts of at most ``READ_PART_BYTES`` straight into the destination,
-or of ``SCRATCH_PART_BYTES`` through scratch memory (whole checksum chunks when verifying).
+Read ops whose saved bytes are contiguous runs of their destinations become *runs*; runs back to
+back in one stored range (the boxes of a flat FSDP/ZeRO shard) are merged into one, so they are read
+as one stretch of the file into several buffers. A run is read straight into the destinations in
+parts of at most ``READ_PART_BYTES``; when verifying, the partly wanted checksum chunks at its two
+ends go through scratch memory, read whole. Other ops (a strided region of a shard) are read
+through scratch in whole chunks of ``SCRATCH_PART_BYTES`` and their wanted elements copied out.
 Segments that lie back to back in one file (small tensors are stored so) are read with one
 vectored read, and each segment is verified right after it is read, while its bytes are likely
-still in the CPU cache; a scratch segment's wanted elements are then copied into place. A few
-worker threads take these batches from per-file lanes: each worker streams through a file of its
-own, in file order, as a raw parallel read of the files would, and helps with the fullest lane once
-its own is empty.
+still in the CPU cache. A few worker threads take these batches from per-file lanes: each worker
+streams through a file of its own, in file order, as a raw parallel read of the files would, and
+helps with the fullest lane once its own is empty.
 """
 
 from __future__ import annotations
@@ -51,21 +54,21 @@ _SLOT_ALIGN = 64
 
 @dataclass(slots=True)
 class _Progress:
-    """A read op and how many of its segments are not yet in place."""
+    """The read ops a group of segments fills, and how many of those segments are not yet in place."""
 
-    op: ReadOp
+    ops: list[ReadOp]
     left: int
 
 
 @dataclass(slots=True)
 class _Segment:
-    """Bytes ``[start, start + nbytes)`` of a stored range, read into ``dest``, or, when ``dest`` is
-    None, into scratch memory out of which ``place`` copies the wanted elements."""
+    """Bytes ``[start, start + nbytes)`` of a stored range, read into ``dests`` one after another,
+    or, when ``dests`` is None, into scratch memory out of which ``place`` copies the wanted bytes."""
 
     where: ByteRange
     start: int
     nbytes: int
-    dest: memoryview | None
+    dests: list[memoryview] | None
     place: Callable[[torch.Tensor], None] | None
     progress: _Progress
 
@@ -73,6 +76,34 @@ class _Segment:
     def position(self) -> tuple[int, int]:
         """Where the segment lies: (file index, byte offset in the file)."""
         return self.where.file, self.where.offset + self.start
+
+    @property
+    def key(self) -> str:
+        """The tensor whose bytes these are, for errors."""
+        return self.progress.ops[0].piece.name
+
+
+@dataclass(slots=True)
+class _Run:
+    """Bytes ``[low, high)`` of a stored range that belong, in order, in ``dests`` (each a
+    contiguous run of a destination), filling ``ops``; ``align``: what direct parts start on."""
+
+    where: ByteRange
+    low: int
+    high: int
+    dests: list[memoryview]
+    ops: list[ReadOp]
+    align: int
+
+    def dests_for(self, low: int, high: int) -> list[memoryview]:
+        """The destination memory of stored bytes ``[low, high)`` of the run."""
+        out, at = [], self.low
+        for dest in self.dests:
+            start, end = max(low, at), min(high, at + dest.nbytes)
+            if start < end:
+                out.append(dest[start - at: end - at])
+            at += dest.nbytes
+        return out
 
 
 class ShardReader:
@@ -90,8 +121,7 @@ class ShardReader:
     def run(self, ops: list[ReadOp], threads: int, on_done: Callable[[ReadOp], None] | None = None) -> None:
         """Execute ``ops`` on up to ``threads`` threads; ``on_done(op)`` (on a worker thread) once
         each op's bytes are in place."""
-        segments = [s for op in ops for s in self._segments(op)]
-        batches = _batches(segments)
+        batches = _batches(self._segments(ops))
         if not batches:
             return
         lanes, stop = _Lanes(batches), threading.Event()
@@ -125,35 +155,78 @@ class ShardReader:
         if failure:
             raise failure[0]
 
-    def _segments(self, op: ReadOp) -> list[_Segment]:
-        """How to execute one read: straight into the destination's memory when the saved bytes
-        are exactly its bytes, else through scratch memory and a strided copy; in parts either way."""
-        shard, piece = op.shard, op.piece
-        if shard.bytes.nbytes <= READ_PART_BYTES and _is_whole_copy(op):  # the common case, kept cheap
-            view = byte_view(piece.tensor)
-            return [_Segment(shard.bytes, 0, view.nbytes, view, None, _Progress(op, 1))]
-        itemsize = piece.tensor.element_size()
-        inner, first, end = _in_shard(op, itemsize)
-        if end * itemsize > shard.bytes.nbytes:
-            raise CorruptCheckpointError(f"read beyond the stored range in {self.manifest.files[shard.bytes.file]}",
-                                         path=self.display, key=piece.name)
+    def _segments(self, ops: list[ReadOp]) -> list[_Segment]:
+        """How to execute the reads: runs straight into destination memory (merged where back to
+        back in a stored range), strided regions through scratch."""
+        segments: list[_Segment] = []
+        runs: list[_Run] = []
+        for op in ops:
+            shard, piece = op.shard, op.piece
+            if shard.bytes.nbytes <= READ_PART_BYTES and _is_whole_copy(op):  # the common case, kept cheap
+                view = byte_view(piece.tensor)
+                segments.append(_Segment(shard.bytes, 0, view.nbytes, [view], None, _Progress([op], 1)))
+                continue
+            itemsize = piece.tensor.element_size()
+            inner, first, end = _in_shard(op, itemsize)
+            if end * itemsize > shard.bytes.nbytes:
+                raise CorruptCheckpointError(
+                    f"read beyond the stored range in {self.manifest.files[shard.bytes.file]}",
+                    path=self.display, key=piece.name)
+            destination = _direct_destination(op, end - first)
+            if destination is None:
+                segments += self._strided_segments(op, inner, first, end)
+            else:
+                runs.append(_Run(shard.bytes, first * itemsize, end * itemsize, [destination], [op],
+                                 self._alignment(itemsize)))
+        for run in _merged(runs):
+            segments += self._run_segments(run)
+        return segments
+
+    def _run_segments(self, run: _Run) -> list[_Segment]:
+        """A run in parts straight into its destinations. When verifying, a direct part starts and
+        ends on checksum chunks (or the end of the stored range): a partly wanted chunk at either
+        end of the run is read whole into scratch and its wanted bytes copied out."""
+        where, align = run.where, run.align
+        direct_low = -(-run.low // align) * align
+        direct_high = run.high if run.high == where.nbytes else run.high // align * align
+        progress = _Progress(run.ops, 0)
+        segments: list[_Segment] = []
+        through_scratch = [(run.low, run.high)]
+        if direct_low < direct_high:
+            step = _multiple(READ_PART_BYTES, align)
+            for at in range(direct_low, direct_high, step):
+                part_end = min(at + step, direct_high)
+                segments.append(_Segment(where, at, part_end - at, run.dests_for(at, part_end), None, progress))
+            through_scratch = [(run.low, direct_low), (direct_high, run.high)]
+        step = _multiple(SCRATCH_PART_BYTES, align)
+        for low, high in through_scratch:
+            if low >= high:
+                continue
+            end = min(where.nbytes, -(-high // align) * align)
+            for at in range(low // align * align, end, step):
+                part_end = min(at + step, end)
+                wanted_low, wanted_high = max(at, low), min(part_end, high)
+                place = partial(_copy_bytes, run.dests_for(wanted_low, wanted_high), wanted_low - at)
+                segments.append(_Segment(where, at, part_end - at, None, place, progress))
+        progress.left = len(segments)
+        return segments
+
+    def _strided_segments(self, op: ReadOp, inner: Box, first: int, end: int) -> list[_Segment]:
+        """A region whose saved bytes are not one run of its destination: the stored elements
+        ``[first, end)`` it spans, in whole chunks through scratch, each part copying the region's
+        elements it holds into place (a part holding none is not read)."""
+        shard, itemsize = op.shard, op.piece.tensor.element_size()
         align = self._alignment(itemsize)
         start_byte = first * itemsize // align * align
         end_byte = min(shard.bytes.nbytes, -(-end * itemsize // align) * align)
-        progress = _Progress(op, 0)
-        if (start_byte, end_byte) == (first * itemsize, end * itemsize) and _is_direct(op, end - first):
-            view = byte_view(piece.tensor)
-            step = _multiple(READ_PART_BYTES, align)
-            segments = [_Segment(shard.bytes, start_byte + at, min(step, view.nbytes - at), view[at: at + step],
-                                 None, progress) for at in range(0, view.nbytes, step)]
-        else:
-            segments, step = [], _multiple(SCRATCH_PART_BYTES, align)
-            for at in range(start_byte, end_byte, step):
-                part_end = min(at + step, end_byte)
-                boxes = _wanted_in(inner, shard.box.lengths, at // itemsize, part_end // itemsize, (first, end))
-                if boxes:  # a part holding nothing wanted is not read
-                    place = partial(_copy_out, piece, shard.box, boxes, at // itemsize)
-                    segments.append(_Segment(shard.bytes, at, part_end - at, None, place, progress))
+        progress = _Progress([op], 0)
+        segments, step = [], _multiple(SCRATCH_PART_BYTES, align)
+        for at in range(start_byte, end_byte, step):
+            part_end = min(at + step, end_byte)
+            boxes = _wanted_in(inner, shard.box.lengths, at // itemsize, part_end // itemsize, (first, end))
+            if boxes:
+                place = partial(_copy_out, op.piece, shard.box, boxes, at // itemsize)
+                segments.append(_Segment(shard.bytes, at, part_end - at, None, place, progress))
         progress.left = len(segments)
         return segments
 
@@ -176,33 +249,34 @@ class ShardReader:
 
     def _read_batch(self, batch: list[_Segment], scratch: _Scratch, on_done: Callable[[ReadOp], None] | None) -> None:
         slots = scratch.slots(batch)
-        views = [s.dest if s.dest is not None else byte_view(slot) for s, slot in zip(batch, slots)]
+        views = [s.dests if s.dests is not None else [byte_view(slot)] for s, slot in zip(batch, slots)]
         self._fill(batch, views)
-        for segment, view, slot in zip(batch, views, slots):
+        for segment, segment_views, slot in zip(batch, views, slots):
             if self.verify:
-                self._check(segment.where, segment.start, view, segment.progress.op.piece.name)
+                self._check(segment.where, segment.start, segment_views, segment.key)
             if segment.place is not None:
                 segment.place(slot)
-            if on_done is not None and self._last_of_op(segment.progress):
-                on_done(segment.progress.op)
+            if on_done is not None and self._last_of_group(segment.progress):
+                for op in segment.progress.ops:
+                    on_done(op)
 
-    def _last_of_op(self, progress: _Progress) -> bool:
-        """Count one more segment of an op in place; whether it was the last."""
+    def _last_of_group(self, progress: _Progress) -> bool:
+        """Count one more segment in place; whether it was the last of its group."""
         with self._lock:
             progress.left -= 1
             return progress.left == 0
 
-    def _fill(self, batch: list[_Segment], views: list[memoryview]) -> None:
+    def _fill(self, batch: list[_Segment], views: list[list[memoryview]]) -> None:
         """One vectored read of a batch; if it fails, its segments one by one, so that the error
         names the tensor whose bytes are missing."""
         first = batch[0]
         try:
-            self._read_into(first.where, first.start, views, first.progress.op.piece.name)
+            self._read_into(first.where, first.start, [v for vs in views for v in vs], first.key)
         except (CorruptCheckpointError, StorageError):
             if len(batch) == 1:
                 raise
-            for segment, view in zip(batch, views):
-                self._read_into(segment.where, segment.start, [view], segment.progress.op.piece.name)
+            for segment, segment_views in zip(batch, views):
+                self._read_into(segment.where, segment.start, segment_views, segment.key)
 
     def read_range(self, where: ByteRange, start: int, dest: memoryview, key: str) -> None:
         """Read ``dest.nbytes`` bytes from ``start`` of a stored range (chunk-aligned when verifying)."""
@@ -211,7 +285,7 @@ class ShardReader:
                                          path=self.display, key=key)
         self._read_into(where, start, [dest], key)
         if self.verify:
-            self._check(where, start, dest, key)
+            self._check(where, start, [dest], key)
 
     def _read_into(self, where: ByteRange, start: int, views: list[memoryview], key: str) -> None:
         """Consecutive bytes of a stored file from ``start`` of ``where`` into ``views``."""
@@ -227,16 +301,30 @@ class ShardReader:
         with self._lock:
             self.bytes_read += sum(view.nbytes for view in views)
 
-    def _check(self, where: ByteRange, start: int, data: memoryview, key: str) -> None:
+    def _check(self, where: ByteRange, start: int, views: list[memoryview], key: str) -> None:
+        """Verify the chunks of stored bytes read from ``start`` (a chunk boundary) into ``views``,
+        one after another; the last chunk may end early only where the stored range does."""
         chunk = self.manifest.checksum_chunk
-        first = start // chunk
-        for i in range(0, data.nbytes, chunk):
-            index = first + i // chunk
-            if index >= len(where.crcs) or crc_of(data[i: i + chunk]) != where.crcs[index]:
-                at = where.offset + start + i
-                raise CorruptCheckpointError(
-                    f"checksum mismatch in {self.manifest.files[where.file]} at bytes "
-                    f"[{at}, {at + min(chunk, data.nbytes - i)})", path=self.display, key=key)
+        index, crc, filled = start // chunk, 0, 0
+        for view in views:
+            at = 0
+            while at < view.nbytes:
+                take = min(chunk - filled, view.nbytes - at)
+                crc = crc_of(view[at: at + take], crc) if filled else crc_of(view[at: at + take])
+                filled, at = filled + take, at + take
+                if filled == chunk:
+                    self._expect(where, index, crc, key)
+                    index, crc, filled = index + 1, 0, 0
+        if filled:
+            self._expect(where, index, crc, key)
+
+    def _expect(self, where: ByteRange, index: int, crc: int, key: str) -> None:
+        if index >= len(where.crcs) or crc != where.crcs[index]:
+            chunk = self.manifest.checksum_chunk
+            at = where.offset + index * chunk
+            raise CorruptCheckpointError(
+                f"checksum mismatch in {self.manifest.files[where.file]} at bytes "
+                f"[{at}, {at + min(chunk, where.nbytes - index * chunk)})", path=self.display, key=key)
 
     def read_object(self, entry: ObjectEntry, rank: int, *, allow_pickle: bool) -> Any:
         where, tree_nbytes = entry.records[entry.ranks[rank]]
@@ -280,13 +368,13 @@ class _Scratch:
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
     def slots(self, batch: list[_Segment]) -> list[torch.Tensor | None]:
-        sizes = [-(-s.nbytes // _SLOT_ALIGN) * _SLOT_ALIGN if s.dest is None else 0 for s in batch]
+        sizes = [-(-s.nbytes // _SLOT_ALIGN) * _SLOT_ALIGN if s.dests is None else 0 for s in batch]
         if sum(sizes) > self.buffer.numel():
             self.buffer = torch.empty(sum(sizes), dtype=torch.uint8)
         slots: list[torch.Tensor | None] = []
         at = 0
         for segment, size in zip(batch, sizes):
-            slots.append(self.buffer[at: at + segment.nbytes] if segment.dest is None else None)
+            slots.append(self.buffer[at: at + segment.nbytes] if segment.dests is None else None)
             at += size
         return slots
 
@@ -307,11 +395,18 @@ def _in_shard(op: ReadOp, itemsize: int) -> tuple[Box, int, int]:
     return inner, first, end
 
 
-def _is_direct(op: ReadOp, span: int) -> bool:
-    """Whether the region's saved bytes are exactly the destination's memory: the region is the
-    whole destination and fills the ``span`` elements it spans in the shard."""
-    tensor = op.piece.tensor
-    return op.region == op.piece.box and tensor.is_cpu and tensor.is_contiguous() and op.region.numel == span
+def _direct_destination(op: ReadOp, span: int) -> memoryview | None:
+    """The destination bytes holding the op's region, when the region fills the ``span`` elements
+    it spans in the shard and is one contiguous run of a contiguous CPU destination (as a whole
+    saved shard loaded into part of a larger tensor is): then the saved bytes are that run's bytes."""
+    tensor, region = op.piece.tensor, op.region
+    if region.numel != span or not (tensor.is_cpu and tensor.is_contiguous()):
+        return None
+    first, end = contiguous_span(region.relative_to(op.piece.box), op.piece.box.lengths)
+    if end - first != region.numel:
+        return None
+    itemsize = tensor.element_size()
+    return byte_view(tensor)[first * itemsize: end * itemsize]
 
 
 def _is_whole_copy(op: ReadOp) -> bool:
@@ -329,6 +424,30 @@ def _wanted_in(inner: Box, lengths: tuple[int, ...], start: int, end: int, span:
         return [inner]
     return [box for cut, _ in flat_range_to_boxes(lengths, start, end - start)
             if (box := cut.intersect(inner)) is not None]
+
+
+def _merged(runs: list[_Run]) -> list[_Run]:
+    """Runs that lie back to back in one stored range joined into one."""
+    out: list[_Run] = []
+    for run in sorted(runs, key=lambda r: (r.where.file, r.where.offset, r.low)):
+        last = out[-1] if out else None
+        # a stored range is named by where it lies (each op carries its own copy of the entry)
+        if last is not None and (last.where.file, last.where.offset) == (run.where.file, run.where.offset) \
+                and last.high == run.low:
+            last.high = run.high
+            last.dests += run.dests
+            last.ops += run.ops
+        else:
+            out.append(run)
+    return out
+
+
+def _copy_bytes(dests: list[memoryview], skip: int, scratch: torch.Tensor) -> None:
+    """Copy the scratch bytes from ``skip`` on into ``dests``, one after another."""
+    source, at = byte_view(scratch), skip
+    for dest in dests:
+        dest[:] = source[at: at + dest.nbytes]
+        at += dest.nbytes
 
 
 def _copy_out(piece: Piece, shard: Box, boxes: list[Box], first_element: int, scratch: torch.Tensor) -> None:
