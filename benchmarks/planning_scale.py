@@ -27,11 +27,11 @@ from bcp.coord.consensus import Outcome, gather_then_reply, pack, unpack
 from bcp.engine.commit import build_manifest
 from bcp.engine.writer import RankWrites
 from bcp.layout.box import flat_range_to_boxes
-from bcp.layout.manifest import Manifest
+from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.planning.save_plan import PlanColumns, global_plan, plan_pieces
 
 LAYERS, HIDDEN, FFN, KV_HEADS, HEAD_DIM, VOCAB = 126, 16384, 53248, 8, 128, 128256
-CHUNK = 4 << 20  # bcp's checksum chunk
+CHUNK = DEFAULT_CHECKSUM_CHUNK
 
 
 def layer_params() -> list[tuple[str, tuple[int, int], int]]:

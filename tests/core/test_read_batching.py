@@ -11,10 +11,12 @@ import pytest
 import torch
 
 import bcp
+from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK
 from bcp.storage import LocalStorage, Storage
 from models import read_manifest
 
-ROWS, COLUMNS = 2, 3_000_000  # fp32 rows of ~11.4 MiB: each spans about three 4 MiB checksum chunks
+CHUNK = DEFAULT_CHECKSUM_CHUNK
+ROWS, COLUMNS = 2, 3_000_000  # fp32 rows of ~11.4 MiB: each spans several checksum chunks
 
 
 class CountingStorage(LocalStorage):
@@ -127,8 +129,8 @@ def test_partial_read_skips_parts_with_nothing_wanted(tmp_path):
     piece = column_pieces((ROWS, COLUMNS), [0, 1000])[0]
     result = bcp.load(tmp_path, {"model": {"w": [piece]}})
     assert torch.equal(piece.tensor, tensor[:, :1000])
-    chunk = 4 << 20  # the start of each row: the chunks of row 0 and row 1 that hold columns 0..999
-    assert result.stats.bytes == 2 * chunk
+    # the start of each row: the chunks of row 0 and row 1 that hold columns 0..999
+    assert result.stats.bytes == 2 * CHUNK
 
 
 def test_corruption_in_the_unwanted_bytes_of_a_chunk_read_is_detected(tmp_path):
@@ -142,7 +144,7 @@ def test_corruption_in_the_unwanted_bytes_of_a_chunk_read_is_detected(tmp_path):
     # A chunk that holds nothing wanted is not read, so its damage is not this load's concern.
     tensor_path = tmp_path / "second"
     bcp.save(tensor_path, {"model": {"w": tensor}})
-    flip_byte(tensor_path, read_manifest(tensor_path), "model/w", (4 << 20) + 5)  # the second chunk
+    flip_byte(tensor_path, read_manifest(tensor_path), "model/w", CHUNK + 5)  # the second chunk
     bcp.load(tensor_path, {"model": {"w": [piece]}})
     assert torch.equal(piece.tensor, tensor[:, :1000])
 
@@ -270,18 +272,18 @@ def test_flat_shard_read_straight_into_its_boxes_with_partial_chunks_through_scr
     counter = ScratchCounter(monkeypatch)
     result = bcp.load(tmp_path, {"model": {"w": flat}})
     assert torch.equal(flat.tensor, tensor.flatten()[start: start + length])
-    chunk_elements = (4 << 20) // 4
+    chunk_elements = CHUNK // 4
     head = -(-start // chunk_elements) * chunk_elements - start
     tail = (start + length) - (start + length) // chunk_elements * chunk_elements
     assert counter.nbytes == (head + tail) * 4
-    assert result.stats.bytes == (-(-(start + length) // chunk_elements) - start // chunk_elements) * (4 << 20)
+    assert result.stats.bytes == (-(-(start + length) // chunk_elements) - start // chunk_elements) * CHUNK
 
 
 def test_corruption_in_a_chunk_read_straight_into_a_part_of_the_destination_is_detected(tmp_path):
     tensor = torch.randn(7, 1_000_003)
     bcp.save(tmp_path, {"model": {"w": row_halves(tensor)}})
     manifest = read_manifest(tmp_path)
-    flip_byte(tmp_path, manifest, "model/w", (5 << 20) + 3)  # inside the first half's second chunk
+    flip_byte(tmp_path, manifest, "model/w", 5 * CHUNK + 3)  # inside the first half, read straight
     with pytest.raises(bcp.CorruptCheckpointError, match=r"checksum mismatch in data/.*'model/w'"):
         bcp.load(tmp_path, {"model": {"w": torch.zeros_like(tensor)}})
 

@@ -271,8 +271,8 @@ def test_every_earlier_format_version_still_loads(version):
 def test_large_shard_is_read_in_parts_and_each_part_verified(tmp_path, monkeypatch):
     from bcp.engine import reader
 
-    monkeypatch.setattr(reader, "READ_PART_BYTES", 1)  # parts of one checksum chunk (4 MiB)
-    big = torch.arange(3_000_000, dtype=torch.float32)  # 12 MB: three parts
+    monkeypatch.setattr(reader, "READ_PART_BYTES", 1)  # parts of one checksum chunk
+    big = torch.arange(3_000_000, dtype=torch.float32)  # 12 MB: several parts
     bcp.save(tmp_path, {"model": {"big": big}})
     out = {"big": torch.zeros(3_000_000)}
     assert bcp.load(tmp_path, {"model": out}).stats.bytes == 12_000_000
@@ -281,7 +281,9 @@ def test_large_shard_is_read_in_parts_and_each_part_verified(tmp_path, monkeypat
     stored = manifest.tensors["model/big"].shards[0].bytes
     victim = tmp_path / "gen-00000001" / manifest.files[stored.file]
     raw = bytearray(victim.read_bytes())
-    raw[stored.offset + 9_000_000] ^= 0xFF  # in the third part
+    raw[stored.offset + 9_000_000] ^= 0xFF  # in a middle part
     victim.write_bytes(bytes(raw))
-    with pytest.raises(bcp.CorruptCheckpointError, match=r"at bytes \[8388608, 12000000\)"):
+    chunk = manifest.checksum_chunk
+    first = 9_000_000 // chunk * chunk
+    with pytest.raises(bcp.CorruptCheckpointError, match=rf"at bytes \[{first}, {min(first + chunk, 12_000_000)}\)"):
         bcp.load(tmp_path, {"model": out})

@@ -38,13 +38,13 @@ from bcp.layout.values import decode_value
 from bcp.planning.load_plan import ReadOp
 from bcp.planning.pieces import Piece
 
-# Parts of a direct read (rounded up to whole checksum chunks when verifying): large enough to
+# Parts of a direct read (rounded to whole checksum chunks when verifying): large enough to
 # stream, small enough to spread a large shard over the threads. Each part is verified right after
-# it is read, mostly from the last-level cache; reading and verifying one 4 MiB chunk at a time was
+# it is read, mostly from the last-level cache; reading and verifying one chunk at a time was
 # measured no faster (105 MiB L3) and a little slower without verification.
 READ_PART_BYTES = 64 << 20
-# Parts of a read through scratch memory: a chunk, so each worker's scratch stays small and the
-# wanted elements are copied out while the part is still in cache.
+# Parts of a read through scratch memory (whole chunks, trimmed to those holding wanted bytes), so
+# each worker's scratch stays small and the wanted elements are copied out while still in cache.
 SCRATCH_PART_BYTES = 4 << 20
 # At most this many segments per vectored read (Linux's IOV_MAX).
 BATCH_SEGMENTS = 1024
@@ -224,9 +224,12 @@ class ShardReader:
         for at in range(start_byte, end_byte, step):
             part_end = min(at + step, end_byte)
             boxes = _wanted_in(inner, shard.box.lengths, at // itemsize, part_end // itemsize, (first, end))
-            if boxes:
-                place = partial(_copy_out, op.piece, shard.box, boxes, at // itemsize)
-                segments.append(_Segment(shard.bytes, at, part_end - at, None, place, progress))
+            if boxes:  # the part, trimmed to the chunks its wanted elements lie in
+                spans = [contiguous_span(box, shard.box.lengths) for box in boxes]
+                low = min(lo for lo, _ in spans) * itemsize // align * align
+                high = min(part_end, -(-max(hi for _, hi in spans) * itemsize // align) * align)
+                place = partial(_copy_out, op.piece, shard.box, boxes, low // itemsize)
+                segments.append(_Segment(shard.bytes, low, high - low, None, place, progress))
         progress.left = len(segments)
         return segments
 
