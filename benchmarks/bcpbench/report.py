@@ -212,7 +212,11 @@ def _reading() -> list[str]:
              "(unpack of the local plans and global plan)."),
             ("- Resharded loads on one machine: a piece read by both processes is read from the disk once, the "
              "second read hits the page cache, so reading whole pieces (DCP) costs less here than on a shared "
-             "file system. Shard(0) -> Shard(1) needs a strided half of every saved piece, whose byte span is "
-             "nearly the whole piece for any reader; Shard(1) -> Shard(0) needs a contiguous half."),
+             "file system. Shard(0) -> Shard(1) needs a strided half of every row of every saved piece: each "
+             "process reads, verifies and copies every byte (short runs inside every checksum chunk), so two "
+             "processes do twice the floor's CPU work on two cores. Shard(1) -> Shard(0) needs a contiguous "
+             "run of each saved piece that is strided in the destination (read through scratch, trimmed to "
+             "the 1 MiB chunks it touches); 2 -> 1 reads each saved piece straight into its part of the "
+             "destination."),
             ("- Floors and memcpy are medians of the same interleaved rounds; on a busy machine their spread "
              "(shown per row) is as wide as the methods'."), ""]
