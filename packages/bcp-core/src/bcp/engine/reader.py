@@ -202,8 +202,8 @@ class ShardReader:
         for low, high in through_scratch:
             if low >= high:
                 continue
-            end = min(where.nbytes, -(-high // align) * align)
-            for at in range(low // align * align, end, step):
+            start, end = _widened(low, high, align, where.nbytes)
+            for at in range(start, end, step):
                 part_end = min(at + step, end)
                 wanted_low, wanted_high = max(at, low), min(part_end, high)
                 place = partial(_copy_bytes, run.dests_for(wanted_low, wanted_high), wanted_low - at)
@@ -217,8 +217,7 @@ class ShardReader:
         elements it holds into place (a part holding none is not read)."""
         shard, itemsize = op.shard, op.piece.tensor.element_size()
         align = self._alignment(itemsize)
-        start_byte = first * itemsize // align * align
-        end_byte = min(shard.bytes.nbytes, -(-end * itemsize // align) * align)
+        start_byte, end_byte = _widened(first * itemsize, end * itemsize, align, shard.bytes.nbytes)
         progress = _Progress([op], 0)
         segments, step = [], _multiple(SCRATCH_PART_BYTES, align)
         for at in range(start_byte, end_byte, step):
@@ -226,8 +225,8 @@ class ShardReader:
             boxes = _wanted_in(inner, shard.box.lengths, at // itemsize, part_end // itemsize, (first, end))
             if boxes:  # the part, trimmed to the chunks its wanted elements lie in
                 spans = [contiguous_span(box, shard.box.lengths) for box in boxes]
-                low = min(lo for lo, _ in spans) * itemsize // align * align
-                high = min(part_end, -(-max(hi for _, hi in spans) * itemsize // align) * align)
+                low, high = _widened(min(lo for lo, _ in spans) * itemsize, max(hi for _, hi in spans) * itemsize,
+                                     align, part_end)
                 place = partial(_copy_out, op.piece, shard.box, boxes, low // itemsize)
                 segments.append(_Segment(shard.bytes, low, high - low, None, place, progress))
         progress.left = len(segments)
@@ -313,7 +312,7 @@ class ShardReader:
             at = 0
             while at < view.nbytes:
                 take = min(chunk - filled, view.nbytes - at)
-                crc = crc_of(view[at: at + take], crc) if filled else crc_of(view[at: at + take])
+                crc = crc_of(view[at: at + take], crc)
                 filled, at = filled + take, at + take
                 if filled == chunk:
                     self._expect(where, index, crc, key)
@@ -380,6 +379,12 @@ class _Scratch:
             slots.append(self.buffer[at: at + segment.nbytes] if segment.dests is None else None)
             at += size
         return slots
+
+
+def _widened(low: int, high: int, align: int, limit: int) -> tuple[int, int]:
+    """Bytes ``[low, high)`` widened to multiples of ``align`` (whole checksum chunks), the end
+    capped at ``limit`` (the end of the stored range, whose last chunk may be short)."""
+    return low // align * align, min(limit, -(-high // align) * align)
 
 
 def _multiple(nbytes: int, align: int) -> int:
