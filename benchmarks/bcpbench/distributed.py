@@ -38,6 +38,7 @@ ROWS_FROM_COLUMNS = "load cold, resharded Shard(1) -> Shard(0), 2 processes"
 TO_ONE = "load cold, resharded 2 -> 1 process"
 SAVE_REPLICATED = "save, 2 processes, DP-replicated"
 LOAD_REPLICATED = "load cold, DP-replicated (each process loads all), 2 processes"
+READ_ONCE = "bcp, read_once=True"  # each byte read by one process and sent to the other over gloo
 SEED = 1
 
 
@@ -140,8 +141,9 @@ def replicated(record: Record, config: dict, group: Group, shapes: dict) -> None
     mine = {n: full[n] for n in itertools.islice(names, rank, None, world)}  # this rank's half, for the floor
     io = config["io_threads"]
 
-    def loads(loader: Any) -> list[Load]:
-        return [Load(LOAD_REPLICATED, lambda p: loader.load(p, full_dest), expected=full, reset=full_flat.zero_)]
+    def loads(loader: Any, method: str | None = None) -> list[Load]:
+        return [Load(LOAD_REPLICATED, lambda p: loader.load(p, full_dest), expected=full, reset=full_flat.zero_,
+                     method=method)]
 
     raws = [RawFiles(1, f"rank{rank}"), RawFiles(io, f"rank{rank}")]
     entries = [Entry(raw.name, saving(raw, mine),
@@ -149,7 +151,8 @@ def replicated(record: Record, config: dict, group: Group, shapes: dict) -> None
                for raw in raws]
     saver, tuned = Bcp(io_threads=io), Dcp(config["dcp_threads"])
     entries += [
-        Entry(saver.name, saving(saver, full), loads(saver)),
+        Entry(saver.name, saving(saver, full),
+              loads(saver) + loads(Bcp(io_threads=io, read_once=True), READ_ONCE)),
         Entry("DCP", saving(Dcp(), full), loads(Dcp())),
         Entry(tuned.name, saving(tuned, full)),
     ]

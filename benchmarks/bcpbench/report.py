@@ -218,5 +218,9 @@ def _reading() -> list[str]:
              "run of each saved piece that is strided in the destination (read through scratch, trimmed to "
              "the 1 MiB chunks it touches); 2 -> 1 reads each saved piece straight into its part of the "
              "destination."),
+            ("- `bcp, read_once=True` (DP-replicated load): each byte is read from storage by one process and "
+             "sent to the other over gloo (TCP on loopback here). It halves what storage serves, which pays on "
+             "shared storage across nodes; on one machine the second process's read would hit the page cache "
+             "anyway, so the transfer is extra work here."),
             ("- Floors and memcpy are medians of the same interleaved rounds; on a busy machine their spread "
              "(shown per row) is as wide as the methods'."), ""]
