@@ -86,14 +86,13 @@ class _Segment:
 @dataclass(slots=True)
 class _Run:
     """Bytes ``[low, high)`` of a stored range that belong, in order, in ``dests`` (each a
-    contiguous run of a destination), filling ``ops``; ``align``: what direct parts start on."""
+    contiguous run of a destination), filling ``ops`` (all of one stored tensor, so one dtype)."""
 
     where: ByteRange
     low: int
     high: int
     dests: list[memoryview]
     ops: list[ReadOp]
-    align: int
 
     def dests_for(self, low: int, high: int) -> list[memoryview]:
         """The destination memory of stored bytes ``[low, high)`` of the run."""
@@ -176,8 +175,7 @@ class ShardReader:
             if destination is None:
                 segments += self._strided_segments(op, inner, first, end)
             else:
-                runs.append(_Run(shard.bytes, first * itemsize, end * itemsize, [destination], [op],
-                                 self._alignment(itemsize)))
+                runs.append(_Run(shard.bytes, first * itemsize, end * itemsize, [destination], [op]))
         for run in _merged(runs):
             segments += self._run_segments(run)
         return segments
@@ -186,7 +184,7 @@ class ShardReader:
         """A run in parts straight into its destinations. When verifying, a direct part starts and
         ends on checksum chunks (or the end of the stored range): a partly wanted chunk at either
         end of the run is read whole into scratch and its wanted bytes copied out."""
-        where, align = run.where, run.align
+        where, align = run.where, self._alignment(run.ops[0].piece.tensor.element_size())
         direct_low = -(-run.low // align) * align
         direct_high = run.high if run.high == where.nbytes else run.high // align * align
         progress = _Progress(run.ops, 0)
