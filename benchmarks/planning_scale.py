@@ -24,11 +24,13 @@ import numpy as np
 
 from bcp.api.gc_pause import paused_gc
 from bcp.coord.consensus import Outcome, gather_then_reply, pack, unpack
-from bcp.engine.commit import build_manifest
-from bcp.engine.writer import RankWrites
 from bcp.layout.box import flat_range_to_boxes
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
-from bcp.planning.save_plan import PlanColumns, global_plan, plan_pieces
+from bcp.layout.local_plan import LocalPlan
+from bcp.layout.write_plan import RankAssignment
+from bcp.layout.write_report import PieceRecord, RankWrites, WrittenPieces
+from bcp.planning.assembly import assemble_manifest
+from bcp.planning.save_plan import PlanColumns, global_plan
 
 LAYERS, HIDDEN, FFN, KV_HEADS, HEAD_DIM, VOCAB = 126, 16384, 53248, 8, 128, 128256
 CHUNK = DEFAULT_CHECKSUM_CHUNK
@@ -61,14 +63,14 @@ def tp_box(shape: tuple[int, ...], dim: int, tp: int, tps: int) -> tuple[list[in
     return offsets, lengths
 
 
-def local_plan(tp: int, tps: int, pp: int, pps: int, dp: int, dps: int) -> list:
-    """One rank's plan in bcp's wire form (``bcp.planning.save_plan.local_plan``)."""
+def local_plan(tp: int, tps: int, pp: int, pps: int, dp: int, dps: int) -> LocalPlan:
+    """One rank's plan (``bcp.layout.local_plan.LocalPlan``)."""
     declared, rows = [], []
     params = stage_params(pp, pps)
     for name, shape, dim in params:
         offsets, lengths = tp_box(shape, dim, tp, tps)
         rows.append([len(declared), offsets, lengths])
-        declared.append([f"model/{name}", "bfloat16", list(shape)])
+        declared.append((f"model/{name}", "bfloat16", tuple(shape)))
     # Distributed optimizer: this TP-PP rank's shards, flattened and concatenated, cut over DP.
     local_numels = [math.prod(tp_box(s, d, tp, tps)[1]) for _, s, d in params]
     total = sum(local_numels)
@@ -80,17 +82,17 @@ def local_plan(tp: int, tps: int, pp: int, pps: int, dp: int, dps: int) -> list:
             local_shape = tp_box(shape, dim, tp, tps)
             for state in ("exp_avg", "exp_avg_sq", "fp32_param"):
                 index = len(declared)
-                declared.append([f"optimizer/state/{name}/{state}", "float32", list(shape)])
+                declared.append((f"optimizer/state/{name}/{state}", "float32", tuple(shape)))
                 for box, _ in flat_range_to_boxes(local_shape[1], lo - position, hi - lo):
                     rows.append([index, [o + b for o, b in zip(local_shape[0], box.offsets)], list(box.lengths)])
         position += numel
     tensor = np.array([r[0] for r in rows], dtype=np.int64)
     offsets = np.array([r[1] + [0] * (2 - len(r[1])) for r in rows], dtype=np.int64)
     lengths = np.array([r[2] + [1] * (2 - len(r[2])) for r in rows], dtype=np.int64)
-    return [declared, 2, tensor.tobytes(), offsets.tobytes(), lengths.tobytes(), None]
+    return LocalPlan(declared, 2, tensor, offsets, lengths)
 
 
-def dcp_planning(plans: list) -> dict:
+def dcp_planning(plans: list[LocalPlan]) -> dict:
     """DCP's coordinator on the same pieces: one WriteItem per piece, as DCP's local plans hold."""
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -101,8 +103,8 @@ def dcp_planning(plans: list) -> dict:
     t0 = time.perf_counter()
     dcp_plans = []
     for plan in plans:
-        declared = plan[0]
-        tensor, offsets, lengths = plan_pieces(plan)
+        declared = plan.tensors
+        tensor, offsets, lengths = plan.tensor, plan.offsets, plan.lengths
         items = []
         for t, o, n in zip(tensor.tolist(), offsets.tolist(), lengths.tolist()):
             name, dtype, shape = declared[t]
@@ -143,19 +145,19 @@ def parse_at(count: int) -> dict:
             "parse_s": round(time.perf_counter() - t0, 2)}
 
 
-def rank_writes(plan: list, specs: list) -> list:
-    """What a rank reports after writing ``specs`` of ``plan`` into one file (synthetic checksums)."""
-    declared = plan[0]
-    tensor, _, lengths = plan_pieces(plan)
+def rank_writes(plan: LocalPlan, assignment: RankAssignment) -> list:
+    """What a rank reports after writing its ``assignment`` of ``plan`` into one file (synthetic
+    checksums), as plain data."""
     rows, offset = [], 0
-    for spec in specs:
-        index = spec if isinstance(spec, int) else spec[0]
-        size = 2 if declared[tensor[index]][1] == "bfloat16" else 4
-        shape = lengths[index] if isinstance(spec, int) else spec[2]
+    parts = [(index, None, plan.lengths[index]) for index in assignment.whole]
+    parts += [(part.index, part, part.lengths) for part in assignment.parts]
+    for index, part, shape in parts:
+        size = 2 if plan.tensors[plan.tensor[index]][1] == "bfloat16" else 4
         nbytes = int(np.prod(shape)) * size
-        rows.append([spec, 0, offset, nbytes, [0] * max(1, -(-nbytes // CHUNK))])
+        rows.append(PieceRecord(index, part.offsets if part else None, part.lengths if part else None, 0, offset,
+                                nbytes, [0] * max(1, -(-nbytes // CHUNK))))
         offset += nbytes
-    return RankWrites(["data/00000-00.bin"], rows).to_wire()
+    return RankWrites(["data/00000-00.bin"], WrittenPieces.of(rows), [], False).to_wire()
 
 
 class SimulatedRoot:
@@ -175,16 +177,15 @@ class SimulatedRoot:
         return parts[0]
 
 
-def structure_of(plan: list) -> tuple:
+def structure_of(plan: LocalPlan) -> tuple:
     """A rank's structure key (``bcp.planning.save_plan.structure_key``) rebuilt from its local plan."""
-    declared = plan[0]
-    tensor, offsets, lengths = plan_pieces(plan)
+    declared = plan.tensors
     return (tuple((name, dtype, tuple(shape)) for name, dtype, shape in declared),
-            [(declared[t][0], tuple(o), tuple(n)) for t, o, n in zip(tensor.tolist(), offsets.tolist(),
-                                                                     lengths.tolist())])
+            [(declared[t][0], tuple(o), tuple(n)) for t, o, n in zip(plan.tensor.tolist(), plan.offsets.tolist(),
+                                                                     plan.lengths.tolist())])
 
 
-def cached_replan(plan: list, world: int) -> float:
+def cached_replan(plan: LocalPlan, world: int) -> float:
     """Seconds of rank 0's plan phase on a cache hit, as in ``bcp.save``: its structure key compared
     with the cached plan's (two keys built apart, so the comparison walks them), then one flag per
     rank gathered and the agreement (with the generation) sent back."""
@@ -213,13 +214,13 @@ def main() -> None:
 
     t0 = time.perf_counter()
     wire = [pack(local_plan(r % args.tp, args.tp, (r // args.tp) % args.pp, args.pp,
-                                     r // (args.tp * args.pp), args.dp)) for r in range(world)]
+                            r // (args.tp * args.pp), args.dp).to_wire()) for r in range(world)]
     built = time.perf_counter() - t0
     pieces = sum(len(unpack(w)[2]) // 8 for w in wire)
 
     with paused_gc():  # as in bcp.save, which runs the coordinator's work with the collector paused
         t0 = time.perf_counter()
-        plans = [unpack(w) for w in wire]
+        plans = [LocalPlan.from_wire(unpack(w)) for w in wire]
         unpacked = time.perf_counter() - t0
         t0 = time.perf_counter()
         columns = PlanColumns(plans)
@@ -227,10 +228,10 @@ def main() -> None:
         planned = time.perf_counter() - t0
 
         # Every rank reports where it wrote its share (synthetic byte locations), as after a save.
-        written = [pack(rank_writes(plans[rank], specs)) for rank, specs in enumerate(writes_plan)]
+        written = [pack(rank_writes(plans[rank], share)) for rank, share in enumerate(writes_plan)]
         t0 = time.perf_counter()
-        manifest = build_manifest(generation=1, framework="megatron", checksum_chunk=CHUNK, writer="bench",
-                                  columns=columns, writes=[unpack(w) for w in written])
+        manifest = assemble_manifest(generation=1, framework="megatron", checksum_chunk=CHUNK, writer="bench",
+                                     columns=columns, reports=[RankWrites.from_wire(unpack(w)) for w in written])
         data, table = manifest.encode()
         assembled = time.perf_counter() - t0
         cached = cached_replan(plans[0], world)

@@ -3,7 +3,6 @@ invalidation, and the splitting of large replicated tensors across writers."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -12,9 +11,8 @@ import textwrap
 import torch
 
 import bcp
+from bcp.integration import runtime
 from models import assert_bitwise, build, full_state, rank, shard_files, train
-
-save_module = importlib.import_module("bcp.api.save")  # the module (bcp.api.save is also the function)
 
 
 def test_async_save_snapshots_state_at_call_time(tmp_path):
@@ -37,14 +35,14 @@ def test_async_saves_commit_in_call_order_and_reuse_buffers(tmp_path):
         state["w"].fill_(step)
         handles.append(bcp.save(tmp_path, {"model": state}, async_save=True))
     bcp.wait_pending_saves()
-    held = save_module._buffers.allocated_bytes
+    held = runtime().buffers.allocated_bytes
     assert 0 < held <= 2 * 200_064  # at most two buffer sets (ping-pong) of one save's bytes
     for step in range(6, 12):
         state["w"].fill_(step)
         handles.append(bcp.save(tmp_path, {"model": state}, async_save=True))
     bcp.wait_pending_saves()
     assert [h.generation for h in handles] == list(range(1, 13))
-    assert save_module._buffers.allocated_bytes == held  # host memory stays flat across saves
+    assert runtime().buffers.allocated_bytes == held  # host memory stays flat across saves
     out = {"w": torch.empty(50_000)}
     assert bcp.load(tmp_path, {"model": out}).generation == 12
     assert torch.equal(out["w"], torch.full((50_000,), 11.0))
@@ -103,7 +101,7 @@ class CountingCoordinator(CountsCollectives, bcp.TorchCoordinator):
 def cache_case(path: str) -> list[int]:
     """Collectives per save: a first save, an unchanged one (cache hit), one where only rank 1's
     shapes change (every rank must replan), and the changed structure again (hit)."""
-    save_module._plan_cache.clear()
+    runtime().plan_cache.clear()
     coordinator = CountingCoordinator()
     counts = []
     for step, rows in enumerate([4, 4, 4 + rank(), 4 + rank()]):
@@ -136,7 +134,7 @@ def halves(tensor: torch.Tensor, cut: int) -> list:
 def test_plan_cache_replans_on_dtype_name_and_box_changes(tmp_path):
     """Each change of structure that keeps the byte count (dtype of the same size, a renamed tensor,
     the same tensor cut at another row) must replan; an unchanged structure must not."""
-    save_module._plan_cache.clear()
+    runtime().plan_cache.clear()
     coordinator = CountingSingleProcess()
     base = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     steps = [
@@ -165,7 +163,7 @@ def split_case(path: str) -> list:
     original = save_plan.SPLIT_BYTES
     save_plan.SPLIT_BYTES = 1 << 10  # make a 40 KiB replicated tensor "very large"
     try:
-        save_module._plan_cache.clear()
+        runtime().plan_cache.clear()
         big = torch.arange(10_000, dtype=torch.float32).reshape(100, 100)
         bcp.save(path, {"model": {"big": big}})
     finally:
@@ -238,3 +236,25 @@ def test_forked_child_does_not_wait_for_the_parents_saves(tmp_path):
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "child exit 0", done.stderr
+
+
+def test_async_save_snapshots_every_per_rank_value_at_call_time(tmp_path):
+    import numpy as np
+
+    tensor, array, buffer = torch.arange(4.0), np.arange(3), bytearray(b"abc")
+    nested = {"list": [torch.ones(2)], "inner": {"n": np.zeros(2)}}
+    state = {"extra_state": {"t": tensor, "a": array, "b": buffer, "nested": nested}}
+    handle = bcp.save(tmp_path, state, async_save=True)
+    tensor.add_(100)  # every kind changed in place right after the call returned
+    array += 100
+    buffer[:] = b"xyz"
+    nested["list"][0].add_(100)
+    nested["inner"]["n"] += 100
+    handle.wait()
+    live = {"extra_state": None}
+    bcp.load(tmp_path, live)
+    loaded = live["extra_state"]
+    assert torch.equal(loaded["t"], torch.arange(4.0)) and np.array_equal(loaded["a"], np.arange(3))
+    assert bytes(loaded["b"]) == b"abc"
+    assert torch.equal(loaded["nested"]["list"][0], torch.ones(2))
+    assert np.array_equal(loaded["nested"]["inner"]["n"], np.zeros(2))

@@ -109,10 +109,10 @@ def column_pieces(shape: tuple[int, int], cuts: list[int]) -> list[bcp.TensorSha
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_rows_saved_columns_loaded_bitwise(tmp_path, monkeypatch, verify):
-    from bcp.engine import reader
+    from bcp.engine import read_segments
 
     if not verify:  # parts that end mid-row, so each part's copy is cut into several boxes
-        monkeypatch.setattr(reader, "SCRATCH_PART_BYTES", 3_000_004)
+        monkeypatch.setattr(read_segments, "SCRATCH_PART_BYTES", 3_000_004)
     tensor = torch.randn(6, 700_000)  # row halves of ~8 MiB: several checksum chunks each
     bcp.save(tmp_path, {"model": {"w": row_halves(tensor)}})
     shape = tuple(tensor.shape)
@@ -201,9 +201,9 @@ class ThreadRecordingStorage(LocalStorage):
 def test_each_reader_thread_streams_its_own_file_forward(tmp_path, monkeypatch):
     """With as many threads as files, each thread starts on a file of its own and reads it in file
     order (as a raw parallel read of the files would), and every byte is still loaded bitwise."""
-    from bcp.engine import reader
+    from bcp.engine import read_segments
 
-    monkeypatch.setattr(reader, "READ_PART_BYTES", 4 << 20)  # several parts per file
+    monkeypatch.setattr(read_segments, "READ_PART_BYTES", 4 << 20)  # several parts per file
     generator = torch.Generator().manual_seed(11)
     state = {f"w{i}": torch.randn(1 << 20, 4, generator=generator) for i in range(8)}  # 4 files of 32 MiB
     bcp.save(tmp_path, {"model": state}, io_threads=4)
@@ -226,10 +226,10 @@ class ScratchCounter:
     destination)."""
 
     def __init__(self, monkeypatch) -> None:
-        from bcp.engine import reader
+        from bcp.engine import read_segments
 
         self.nbytes = 0
-        copy_out, copy_bytes = reader._copy_out, reader._copy_bytes
+        copy_out, copy_bytes = read_segments._copy_out, read_segments._copy_bytes
 
         def counting_copy_out(piece, shard, boxes, first_element, scratch):
             self.nbytes += sum(box.numel for box in boxes) * piece.tensor.element_size()
@@ -239,8 +239,8 @@ class ScratchCounter:
             self.nbytes += sum(dest.nbytes for dest in dests)
             copy_bytes(dests, skip, scratch)
 
-        monkeypatch.setattr(reader, "_copy_out", counting_copy_out)
-        monkeypatch.setattr(reader, "_copy_bytes", counting_copy_bytes)
+        monkeypatch.setattr(read_segments, "_copy_out", counting_copy_out)
+        monkeypatch.setattr(read_segments, "_copy_bytes", counting_copy_bytes)
 
 
 @pytest.mark.parametrize("verify", [True, False])

@@ -269,9 +269,9 @@ def test_every_earlier_format_version_still_loads(version):
 
 
 def test_large_shard_is_read_in_parts_and_each_part_verified(tmp_path, monkeypatch):
-    from bcp.engine import reader
+    from bcp.engine import read_segments
 
-    monkeypatch.setattr(reader, "READ_PART_BYTES", 1)  # parts of one checksum chunk
+    monkeypatch.setattr(read_segments, "READ_PART_BYTES", 1)  # parts of one checksum chunk
     big = torch.arange(3_000_000, dtype=torch.float32)  # 12 MB: several parts
     bcp.save(tmp_path, {"model": {"big": big}})
     out = {"big": torch.zeros(3_000_000)}

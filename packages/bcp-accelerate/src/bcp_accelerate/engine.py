@@ -26,7 +26,7 @@ from accelerate.checkpointing import (
 from accelerate.utils import DistributedType
 
 import bcp
-from bcp.errors import AdapterError, CheckpointNotCommittedError, MismatchError
+from bcp import AdapterError, CheckpointNotCommittedError, MismatchError
 from bcp_accelerate import components, folders, hooks
 from bcp_accelerate.consensus import on_all_ranks
 from bcp_accelerate.switch import ENGINE_VARIABLE

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import accelerate
 
-from bcp.errors import CheckpointError
+from bcp import CheckpointError
 
 #: ``bcp`` routes every accelerator through bcp; ``accelerate`` forces accelerate's own engine even
 #: where the code opted in (a switch for operators); unset leaves the choice to the code.

@@ -5,7 +5,7 @@ parallel layout loads into any other. See ``docs/format.md`` for the on-storage 
 """
 
 from bcp.adapters import FrameworkAdapter, register_adapter
-from bcp.api import LoadResult, PhaseStats, SaveHandle, load, save, wait_pending_saves
+from bcp.api import LoadOptions, LoadResult, PhaseStats, SaveHandle, SaveOptions, load, save, wait_pending_saves
 from bcp.coord import Coordinator, SingleProcessCoordinator, TorchCoordinator
 from bcp.errors import (
     AdapterError,
@@ -25,7 +25,7 @@ from bcp.storage import LocalStorage, Storage
 from bcp.version import __version__
 
 __all__ = [
-    "save", "load", "wait_pending_saves", "SaveHandle", "LoadResult", "PhaseStats",
+    "save", "load", "wait_pending_saves", "SaveOptions", "LoadOptions", "SaveHandle", "LoadResult", "PhaseStats",
     "FrameworkAdapter", "register_adapter",
     "Coordinator", "SingleProcessCoordinator", "TorchCoordinator",
     "Storage", "LocalStorage",

@@ -4,27 +4,41 @@ integrations import nothing else, so the core's internals can change without bre
 test walks their imports).
 
 - coordination: the coordinator and the error-agreeing exchanges built on it;
-- representation: boxes, pieces and the dtype names of the format;
-- the reader door: a committed checkpoint opened for reading (the manifest, wanted pieces, values);
-- storage: the backend for a path or URL.
+- representation: boxes, pieces, the one exact-coverage check and the dtype names of the format;
+- the reader door (a committed checkpoint opened for reading: the manifest, wanted pieces, values),
+  the options of save and load, and the process's runtime (plan cache, buffers, async lane);
+- where checkpoints live (``checkpoint_location(path, role)``: generations and their commit
+  state) and the storage backend for a path or URL;
+- adapters: ``initialize_state`` gives a never-stepped optimizer its state before a load.
 """
 
 from __future__ import annotations
 
 from bcp.adapters.optimizer import initialize_state
+from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.location import resolve as checkpoint_location
+from bcp.api.options import LoadOptions, SaveOptions
+from bcp.api.runtime import Runtime, reset_runtime, runtime
 from bcp.coord import Coordinator, default_coordinator
 from bcp.coord.consensus import Outcome, all_agree, broadcast_from_root, gather_then_reply
 from bcp.layout.box import Box, flat_range_to_boxes
+from bcp.layout.coverage import CoverProblem, first_cover_problem
 from bcp.layout.dtypes import dtype_from_name, dtype_name
 from bcp.layout.manifest import Manifest, ObjectEntry, TensorEntry
-from bcp.planning.pieces import Piece, pieces_of
+from bcp.layout.piece import Piece
+from bcp.planning.pieces import pieces_of
 from bcp.storage import Storage, storage_for
 
 __all__ = [
+    # coordination
     "Coordinator", "default_coordinator", "Outcome", "all_agree", "gather_then_reply", "broadcast_from_root",
-    "Box", "flat_range_to_boxes", "Piece", "pieces_of", "dtype_from_name", "dtype_name",
-    "Manifest", "ObjectEntry", "TensorEntry",
-    "checkpoint_location", "initialize_state",
-    "Storage", "storage_for",
+    # representation
+    "Box", "flat_range_to_boxes", "Piece", "pieces_of", "CoverProblem", "first_cover_problem",
+    "dtype_from_name", "dtype_name", "Manifest", "ObjectEntry", "TensorEntry",
+    # the doors, their options, the process's runtime
+    "Checkpoint", "open_checkpoint", "SaveOptions", "LoadOptions", "Runtime", "runtime", "reset_runtime",
+    # where checkpoints live: generations and their commit state; storage backends
+    "checkpoint_location", "Storage", "storage_for",
+    # adapters
+    "initialize_state",
 ]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import bcp
-from bcp.coord import default_coordinator
+from bcp.integration import default_coordinator
 from bcp_lightning import convert, paths
 
 DEFAULT_IO_THREADS = 4

@@ -13,7 +13,7 @@ import os
 import shutil
 
 import bcp
-from bcp.storage import storage_for
+from bcp.integration import storage_for
 
 #: A directory holding this file is a checkpoint in Lightning's own sharded format.
 LIGHTNING_SHARDED_MARKER = "meta.pt"

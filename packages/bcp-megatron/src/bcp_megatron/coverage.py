@@ -15,9 +15,9 @@ from typing import Any
 
 import msgpack
 
-from bcp.coord import Coordinator
-from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
-from bcp.errors import MismatchError
+from bcp.integration import Coordinator
+from bcp.integration import Outcome, all_agree, gather_then_reply
+from bcp import MismatchError
 
 #: A rank's 1-D pieces: ``{tensor name: [size, [[offset, length], ...]]}``.
 Spans = dict[str, list[Any]]

@@ -14,16 +14,9 @@ import torch
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from bcp.api.location import resolve
-from bcp.coord import Coordinator, default_coordinator
-from bcp.coord.consensus import Outcome, all_agree, broadcast_from_root
-from bcp.engine.location import Location
-from bcp.engine.reader import ShardReader
-from bcp.errors import CheckpointError, MismatchError, UnsupportedValueError
-from bcp.layout.dtypes import dtype_from_name
-from bcp.layout.manifest import Manifest, ObjectEntry
-from bcp.planning.load_plan import check_meta, plan_reads
-from bcp.planning.pieces import Piece, pieces_of
+import bcp
+from bcp.integration import (Checkpoint, Coordinator, Manifest, Outcome, Piece, all_agree, default_coordinator,
+                             dtype_from_name, open_checkpoint, pieces_of)
 
 from bcp_megatron.adapter import NAME as FRAMEWORK
 from bcp_megatron.shards import clip_to, empty_like_chunk, entry_name, object_name, restored, sharded_key, tensor_shards
@@ -49,20 +42,15 @@ def load_sharded(sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike", 
                  allow_pickle: bool, verify: bool, io_threads: int) -> dict:
     """Collective: fill every rank's ShardedTensors in place and return the state dict with each
     sharded value replaced by its loaded tensor or object."""
-    location = resolve(checkpoint_dir, None)
-    found = Outcome.of(lambda: _newest_manifest_files(location)) if coord.rank == 0 else Outcome()
-    generation, data, table = broadcast_from_root(coord, found, f"opening {location.display}")
-    loaded = Outcome.of(lambda: _read(sharded_state_dict, location, generation,
-                                      _megatron(Manifest.decode(data, table, path=location.display), location.display),
-                                      allow_pickle, verify, io_threads))
-    all_agree(coord, Outcome(error=loaded.error), f"loading {location.display}")
+    checkpoint = open_checkpoint(checkpoint_dir, verify=verify, io_threads=io_threads, coordinator=coord)
+    loaded = Outcome.of(lambda: _read(sharded_state_dict, _megatron(checkpoint), allow_pickle))
+    all_agree(coord, Outcome(error=loaded.error), f"loading {checkpoint.path}")
     return loaded.value
 
 
 def read_manifest(checkpoint_dir: "str | os.PathLike") -> Manifest:
     """The newest committed manifest, read by this process alone (no collectives)."""
-    location = resolve(checkpoint_dir, None)
-    return _megatron(location.read_manifest(location.latest_committed()), location.display)
+    return _megatron(open_checkpoint(checkpoint_dir)).manifest
 
 
 def tensors_metadata(manifest: Manifest) -> dict[str, ShardedTensor]:
@@ -84,23 +72,18 @@ def sharded_metadata(manifest: Manifest) -> dict[str, ShardedTensor | ShardedObj
     return {**tensors_metadata(manifest), **objects}
 
 
-def _newest_manifest_files(location: Location) -> list[Any]:
-    generation = location.latest_committed()
-    return [generation, *location.read_manifest_files(generation)]
+def _megatron(checkpoint: Checkpoint) -> Checkpoint:
+    if checkpoint.manifest.framework != FRAMEWORK:
+        raise bcp.CheckpointError(f"this bcp checkpoint was saved from {checkpoint.manifest.framework!r} state, not "
+                                  "by Megatron's dist_checkpointing; load it with bcp.load", path=checkpoint.path)
+    return checkpoint
 
 
-def _megatron(manifest: Manifest, display: str) -> Manifest:
-    if manifest.framework != FRAMEWORK:
-        raise CheckpointError(f"this bcp checkpoint was saved from {manifest.framework!r} state, not by Megatron's "
-                              "dist_checkpointing; load it with bcp.load", path=display)
-    return manifest
-
-
-def _read(sharded_state_dict: dict, location: Location, generation: int, manifest: Manifest,
-          allow_pickle: bool, verify: bool, io_threads: int) -> dict:
+def _read(sharded_state_dict: dict, checkpoint: Checkpoint, allow_pickle: bool) -> dict:
+    manifest = checkpoint.manifest
     values: dict[int, Any] = {}
     pieces: list[Piece] = []
-    objects: list[tuple[ShardedObject, ObjectEntry]] = []
+    objects: list[tuple[ShardedObject, str]] = []
     absent: list[str] = []
     for value in nested_values(sharded_state_dict):
         if isinstance(value, ShardedTensor):
@@ -108,35 +91,34 @@ def _read(sharded_state_dict: dict, location: Location, generation: int, manifes
             if name not in manifest.tensors:
                 absent.append(value.key)
                 continue
-            pieces.extend(_tensor_pieces(value, name, manifest, location.display))
+            pieces.extend(_tensor_pieces(value, name, checkpoint))
             values[id(value)] = value.data
         elif isinstance(value, ShardedObject):
-            entry = manifest.objects.get(object_name(value))
-            if entry is None:
+            name = object_name(value)
+            if name not in manifest.objects:
                 absent.append(value.unique_key)
                 continue
-            objects.append((value, entry))
+            objects.append((value, name))
         else:
-            raise UnsupportedValueError(f"cannot load into a {type(value).__name__}: only ShardedTensor and "
-                                        "ShardedObject values are read by the strategy")
+            raise bcp.UnsupportedValueError(f"cannot load into a {type(value).__name__}: only ShardedTensor and "
+                                            "ShardedObject values are read by the strategy")
     if absent:
         more = f" and {len(absent) - _LISTED} more" if len(absent) > _LISTED else ""
         shown = ", ".join(sorted(absent)[:_LISTED]) + more
-        raise MismatchError(f"{len(absent)} requested sharded key(s) are not in the checkpoint: {shown}; load with "
-                            "strict=StrictHandling.LOG_UNEXPECTED (or RETURN_UNEXPECTED) to skip them",
-                            path=location.display)
-    reader = ShardReader(location, generation, manifest, verify=verify)
-    reader.run(plan_reads(manifest, pieces, location.display), io_threads)
-    for value, entry in objects:
-        owner = next(rank for rank, record in enumerate(entry.ranks) if record >= 0)
-        values[id(value)] = restored(reader.read_object(entry, owner, allow_pickle=allow_pickle))
+        raise bcp.MismatchError(f"{len(absent)} requested sharded key(s) are not in the checkpoint: {shown}; load "
+                                "with strict=StrictHandling.LOG_UNEXPECTED (or RETURN_UNEXPECTED) to skip them",
+                                path=checkpoint.path)
+    checkpoint.read_pieces(pieces)
+    for value, name in objects:  # read from the record its main replica wrote, whichever rank that was
+        owner = checkpoint.value_source(name)
+        values[id(value)] = restored(checkpoint.read_object(name, rank=owner, allow_pickle=allow_pickle))
     return dict_list_map_outplace(lambda value: values[id(value)], sharded_state_dict)
 
 
-def _tensor_pieces(sh_ten: ShardedTensor, name: str, manifest: Manifest, display: str) -> list[Piece]:
-    saved_shape = manifest.tensors[name].shape
+def _tensor_pieces(sh_ten: ShardedTensor, name: str, checkpoint: Checkpoint) -> list[Piece]:
+    saved_shape = checkpoint.tensors[name].shape
     resized = sh_ten.allow_shape_mismatch and tuple(sh_ten.global_shape) != saved_shape
-    check_meta(manifest, name, sh_ten.dtype, saved_shape if resized else tuple(sh_ten.global_shape), display)
+    checkpoint.check_meta(name, sh_ten.dtype, saved_shape if resized else tuple(sh_ten.global_shape))
     if sh_ten.data is None:
         sh_ten.data = empty_like_chunk(sh_ten)
     elif sh_ten.allow_shape_mismatch:

@@ -22,7 +22,7 @@ from megatron.core.dist_checkpointing.strategies.base import (
 )
 
 import bcp
-from bcp.coord import Coordinator
+from bcp.integration import Coordinator
 
 from bcp_megatron.adapter import MegatronAdapter
 from bcp_megatron.completion import completion_request

@@ -22,8 +22,8 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 
 import bcp
-from bcp.api.location import resolve
-from bcp.coord import Coordinator
+from bcp.integration import checkpoint_location
+from bcp.integration import Coordinator
 
 from bcp_megatron.adapter import MegatronAdapter
 from bcp_megatron.completion import completion_request
@@ -95,7 +95,7 @@ class FullyParallelSaveStrategyWrapper(fully_parallel.FullyParallelSaveStrategyW
 
 def is_bcp_checkpoint(checkpoint_dir: "str | os.PathLike") -> bool:
     """Whether ``checkpoint_dir`` holds bcp generations (whatever ``metadata.json`` says)."""
-    return bool(resolve(checkpoint_dir, None).generations())
+    return bool(checkpoint_location(checkpoint_dir, None).generations())
 
 
 def register() -> None:

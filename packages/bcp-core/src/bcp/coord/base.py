@@ -7,7 +7,7 @@ implementing four methods on bytes. Messages are msgpack (``consensus``): plain 
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -32,6 +32,10 @@ class Coordinator(Protocol):
 
     def cache_key(self) -> object:
         """Identifies the channel: plans cached under it stay valid while the ranks stay the same."""
+
+    def process_group(self) -> Any:
+        """A ``torch.distributed`` group over the same ranks, in the same order, for moving tensors
+        between ranks (``load(read_once=True)``); None where the transport has none."""
 
 
 class SingleProcessCoordinator:
@@ -59,3 +63,6 @@ class SingleProcessCoordinator:
 
     def cache_key(self) -> object:
         return "single-process"
+
+    def process_group(self) -> None:
+        return None

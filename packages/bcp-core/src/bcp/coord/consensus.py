@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from bcp import errors
+import bcp.errors as errors
 from bcp.coord.base import Coordinator
 
 

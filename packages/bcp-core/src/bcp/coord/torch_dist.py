@@ -41,6 +41,9 @@ class TorchCoordinator:
     def cache_key(self) -> object:
         return (id(self.group), self.rank, self.world_size)
 
+    def process_group(self) -> "dist.ProcessGroup":
+        return self.group
+
     # Every exchange first sends one fixed-size block per rank: a header and, when the message fits,
     # the message itself. Small messages (agreements, acknowledgements, errors) so take one
     # collective; a larger one is sent in a second collective, padded to the largest message.

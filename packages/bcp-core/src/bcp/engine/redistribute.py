@@ -9,28 +9,27 @@ import torch
 import torch.distributed as dist
 
 from bcp.engine.reader import ShardReader
-from bcp.planning.load_plan import ReadOp
-from bcp.planning.read_once import READ, RECEIVE
+from bcp.layout.read_op import ReadOp, ReadRole
 
 
-def read_and_share(reader: ShardReader, ops: list[ReadOp], roles: list[list[Any]], group: Any,
+def read_and_share(reader: ShardReader, ops: list[ReadOp], roles: list[ReadRole], group: Any,
                    threads: int) -> int:
-    """Run ``ops`` under ``roles`` (``read_once.assign_readers``) over the gloo ``group``;
-    returns the bytes received from other ranks."""
+    """Run ``ops`` under ``roles`` (one per op) over the gloo ``group``; returns the bytes received
+    from other ranks."""
     received: list[tuple[ReadOp, torch.Tensor, Any]] = []
-    for op, (role, transfer, peer) in zip(ops, roles):
-        if role == RECEIVE:  # posted first, so every send finds its receive waiting
+    for op, role in zip(ops, roles):
+        if not role.reads:  # posted first, so every send finds its receive waiting
             buffer = torch.empty(op.region.lengths, dtype=op.piece.tensor.dtype)
-            work = dist.irecv(buffer, src=dist.get_global_rank(group, peer), group=group, tag=transfer)
+            work = dist.irecv(buffer, src=dist.get_global_rank(group, role.peers[0]), group=group, tag=role.transfer)
             received.append((op, buffer, work))
-    reading = {id(op): role for op, role in zip(ops, roles) if role[0] == READ}
+    reading = {id(op): role for op, role in zip(ops, roles) if role.reads}
     sends = []
     for op in reader.read_each([op for op in ops if id(op) in reading], threads):
-        _, transfer, receivers = reading[id(op)]
-        if receivers:
+        role = reading[id(op)]
+        if role.peers:
             data = _region(op).contiguous()
-            sends += [dist.isend(data, dst=dist.get_global_rank(group, r), group=group, tag=transfer)
-                      for r in receivers]
+            sends += [dist.isend(data, dst=dist.get_global_rank(group, r), group=group, tag=role.transfer)
+                      for r in role.peers]
     for op, buffer, work in received:
         work.wait()
         _region(op).copy_(buffer)

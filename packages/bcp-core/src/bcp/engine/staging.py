@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from bcp.engine.writer import PieceWrite
+from bcp.layout.write_plan import PieceWrite
 
 ALIGN = 64  # every staged piece starts on a 64-byte boundary: any dtype view of it is aligned
 
@@ -23,7 +23,7 @@ def _aligned(n: int) -> int:
 
 
 def staged_nbytes(writes: list[PieceWrite]) -> int:
-    return sum(_aligned(w.tensor.numel() * w.tensor.element_size()) for w in writes)
+    return sum(_aligned(w.nbytes) for w in writes)
 
 
 class HostBufferPool:
@@ -74,12 +74,12 @@ def stage(writes: list[PieceWrite], buffer: torch.Tensor) -> list[PieceWrite]:
     """Copy each write's tensor into ``buffer``; the returned writes read from the copies."""
     staged, offset, from_cuda = [], 0, False
     for write in writes:
-        t = write.tensor
-        nbytes = t.numel() * t.element_size()
+        t = write.tensor()
+        nbytes = write.nbytes
         view = buffer[offset: offset + nbytes].view(t.dtype).view(t.shape)
         from_cuda |= t.device.type == "cuda"
         view.copy_(t, non_blocking=t.device.type == "cuda")
-        staged.append(PieceWrite(write.spec, view))
+        staged.append(PieceWrite(write.index, write.part, view, nbytes))
         offset += _aligned(nbytes)
     if from_cuda:
         torch.cuda.synchronize()  # the copies above were queued asynchronously into pinned memory

@@ -1,123 +1,133 @@
-"""Writing one rank's share of a checkpoint: pieces and value records into data files, with chunk
-checksums, several files in parallel (one writer thread per file), from tensor memory directly."""
+"""Writing one generation of a checkpoint: every rank writes its pieces and value records into data
+files, with chunk checksums, several files in parallel (one writer thread per file), straight from
+tensor memory; then the coordinating rank commits the manifest (``Location.commit``).
+
+Pieces may be produced lazily (the tools that stream one checkpoint into another): each writer
+thread asks for one piece's tensor when it reaches it and releases it right after, so memory holds
+about one piece per thread however large the checkpoint is.
+"""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import chunk_crcs
-from bcp.engine.location import Location, data_file_name
-from bcp.errors import StorageError
-from bcp.layout.box import Box
-from bcp.layout.values import EncodedValue
-from bcp.planning.pieces import Piece
+from bcp.engine.location import Location, data_file_name, generation_dir
+from bcp.errors import CheckpointError, StorageError
+from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
+from bcp.layout.write_plan import PieceWrite, ValueWrite
+from bcp.layout.write_report import PieceRecord, RankWrites, ValueRecord, WrittenPieces
 
 # Below this many bytes per file, another file (and writer thread) costs more than it saves.
 MIN_BYTES_PER_FILE = 32 << 20
 
 
 @dataclass(slots=True)
-class PieceWrite:
-    """A piece to write: ``spec`` is the plan's entry (a piece index, or ``[index, offsets,
-    lengths]`` for part of a split piece), ``tensor`` the bytes to write (shaped like the part)."""
-
-    spec: Any
-    tensor: torch.Tensor
-
-
-def piece_writes(pieces: list[Piece], specs: list[Any]) -> list[PieceWrite]:
-    """The plan's write entries resolved to tensors (views of the pieces, no copy)."""
-    out = []
-    for spec in specs:
-        if isinstance(spec, int):
-            out.append(PieceWrite(spec, pieces[spec].tensor))
-        else:
-            piece = pieces[spec[0]]
-            part = Box(tuple(spec[1]), tuple(spec[2])).relative_to(piece.box)
-            out.append(PieceWrite(spec, piece.tensor[part.slices()]))
-    return out
-
-
-@dataclass
-class RankWrites:
-    """What a rank wrote: file names, per piece ``[spec, file index, offset, nbytes, crcs]``, per
-    value ``[name, file index, offset, nbytes, tree nbytes, crcs]``, and whether any value was
-    pickled. It travels to the coordinator as ``to_wire()`` (piece rows as integer columns)."""
-
-    files: list[str] = field(default_factory=list)
-    pieces: list[list] = field(default_factory=list)
-    objects: list[list] = field(default_factory=list)
-    used_pickle: bool = False
-
-    def to_wire(self) -> list:
-        specs = [row[0] for row in self.pieces]
-        columns = WrittenPieces(
-            index=np.array([s if isinstance(s, int) else s[0] for s in specs], dtype=np.int64),
-            parts=[[i, s[1], s[2]] for i, s in enumerate(specs) if not isinstance(s, int)],
-            where=np.array([row[1:4] for row in self.pieces], dtype=np.int64).reshape(-1, 3),
-            crc_counts=np.array([len(row[4]) for row in self.pieces], dtype=np.int64),
-            crcs=np.array([c for row in self.pieces for c in row[4]], dtype=np.uint32))
-        return [self.files, columns.to_wire(), self.objects, self.used_pickle]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(row[3] for row in self.pieces + self.objects)
-
-
-@dataclass
-class WrittenPieces:
-    """A rank's written pieces as columns: the local piece ``index`` of each (``parts`` lists
-    ``[row, offsets, lengths]`` for rows that are part of a split piece), ``where`` = file index,
-    byte offset and byte length, and each row's ``crc_counts`` chunk checksums in ``crcs``."""
-
-    index: np.ndarray
-    parts: list[list]
-    where: np.ndarray
-    crc_counts: np.ndarray
-    crcs: np.ndarray
-
-    def to_wire(self) -> list:
-        return [self.index.tobytes(), self.parts, self.where.tobytes(), self.crc_counts.tobytes(),
-                self.crcs.tobytes()]
-
-    @staticmethod
-    def from_wire(wire: list) -> "WrittenPieces":
-        index, parts, where, crc_counts, crcs = wire
-        return WrittenPieces(np.frombuffer(index, dtype=np.int64), parts,
-                             np.frombuffer(where, dtype=np.int64).reshape(-1, 3),
-                             np.frombuffer(crc_counts, dtype=np.int64), np.frombuffer(crcs, dtype=np.uint32))
-
-
-@dataclass(slots=True)
 class _Item:
     nbytes: int
     piece: PieceWrite | None = None
-    name: str = ""
-    value: EncodedValue | None = None
+    value: ValueWrite | None = None
 
 
-def write_rank(location: Location, generation: int, rank: int, pieces: list[PieceWrite],
-               objects: list[tuple[str, EncodedValue]], threads: int, chunk: int) -> RankWrites:
-    items = [_Item(p.tensor.nbytes, piece=p) for p in pieces]
-    items += [_Item(v.nbytes, name=n, value=v) for n, v in objects]
-    total = sum(item.nbytes for item in items)
-    bins = _balance(items, max(1, min(threads, len(items), total // MIN_BYTES_PER_FILE)))
-    result = RankWrites(files=[data_file_name(rank, i) for i in range(len(bins))],
-                        used_pickle=any(v.used_pickle for _, v in objects))
-    with ThreadPoolExecutor(max_workers=len(bins) or 1, thread_name_prefix="bcp-write") as pool:
-        futures = [pool.submit(_write_file, location, generation, result.files[i], i, items, chunk)
-                   for i, items in enumerate(bins)]
-        for future in futures:
-            written_pieces, written_objects = future.result()
-            result.pieces += written_pieces
-            result.objects += written_objects
-    return result
+class GenerationWriter:
+    """Generation ``generation`` at ``location``, being written."""
+
+    def __init__(self, location: Location, generation: int, *, threads: int,
+                 chunk: int = DEFAULT_CHECKSUM_CHUNK) -> None:
+        self.location = location
+        self.generation = generation
+        self.threads = threads
+        self.chunk = chunk
+
+    def write_rank(self, rank: int, pieces: Sequence[PieceWrite], values: Sequence[ValueWrite],
+                   on_written: Callable[[int], None] | None = None) -> RankWrites:
+        """Write this rank's data files and report where everything lies; ``on_written(nbytes)``
+        after each piece (from a writer thread)."""
+        items = [_Item(p.nbytes, piece=p) for p in pieces] + [_Item(len(v.data), value=v) for v in values]
+        total = sum(item.nbytes for item in items)
+        bins = _balance(items, max(1, min(self.threads, len(items), total // MIN_BYTES_PER_FILE)))
+        files = [data_file_name(rank, i) for i in range(len(bins))]
+        piece_rows: list[PieceRecord] = []
+        value_rows: list[ValueRecord] = []
+        if on_written is not None:  # called from the writer threads: one at a time
+            on_written = _serialized(on_written)
+        with ThreadPoolExecutor(max_workers=len(bins) or 1, thread_name_prefix="bcp-write") as pool:
+            futures = [pool.submit(self._write_file, files[i], i, file_items, on_written)
+                       for i, file_items in enumerate(bins)]
+            for future in futures:
+                written_pieces, written_values = future.result()
+                piece_rows += written_pieces
+                value_rows += written_values
+        return RankWrites(files, WrittenPieces.of(piece_rows), value_rows, any(v.used_pickle for v in values))
+
+    def commit(self, manifest: Manifest) -> None:
+        """Make the generation visible (shard table, manifest, then the commit marker), then remove
+        the generations older than it."""
+        self.location.commit(self.generation, manifest)
+        self.location.remove_older_than(self.generation)
+
+    def discard(self) -> None:
+        """Remove what was written of this (uncommitted) generation, best effort."""
+        try:
+            self.location.storage.delete_tree(f"{self.location.prefix}{generation_dir(self.generation)}")
+        except OSError:
+            pass
+
+    def _write_file(self, name: str, file_index: int, items: list[_Item],
+                    on_written: Callable[[int], None] | None) -> tuple[list[PieceRecord], list[ValueRecord]]:
+        pieces: list[PieceRecord] = []
+        values: list[ValueRecord] = []
+        chunk = self.chunk
+
+        def stream() -> Iterator[memoryview]:
+            offset = 0
+            for item in items:
+                if item.piece is not None:
+                    write = item.piece
+                    data = byte_view(host_contiguous(_produced(write)))
+                    part = write.part
+                    pieces.append(PieceRecord(write.index, part.offsets if part else None,
+                                              part.lengths if part else None, file_index, offset, data.nbytes,
+                                              chunk_crcs(data, chunk)))
+                else:
+                    value = item.value
+                    data = memoryview(value.data)
+                    values.append(ValueRecord(value.name, file_index, offset, data.nbytes, value.tree_nbytes,
+                                              chunk_crcs(data, chunk), list(value.ranks) if value.ranks else None))
+                yield data
+                offset += data.nbytes
+                if on_written is not None and item.piece is not None:
+                    on_written(data.nbytes)
+                del data  # a produced piece is released before the next one is made
+
+        try:
+            self.location.storage.write_file(self.location.name(self.generation, name), stream())
+        except OSError as exc:
+            raise StorageError(f"writing {name} failed: {exc}", path=self.location.display) from exc
+        return pieces, values
+
+
+def _serialized(callback: Callable[[int], None]) -> Callable[[int], None]:
+    lock = threading.Lock()
+
+    def call(nbytes: int) -> None:
+        with lock:
+            callback(nbytes)
+    return call
+
+
+def _produced(write: PieceWrite) -> torch.Tensor:
+    tensor = write.tensor()
+    if tensor.numel() * tensor.element_size() != write.nbytes:
+        raise CheckpointError(f"piece {write.index} produced {tensor.numel() * tensor.element_size()} bytes, "
+                              f"{write.nbytes} were planned")
+    return tensor
 
 
 def _balance(items: list[_Item], nbins: int) -> list[list[_Item]]:
@@ -132,28 +142,3 @@ def _balance(items: list[_Item], nbins: int) -> list[list[_Item]]:
         bins[i].append(item)
         sizes[i] += item.nbytes
     return [b for b in bins if b]
-
-
-def _write_file(location: Location, generation: int, name: str, file_index: int, items: list[_Item],
-                chunk: int) -> tuple[list[list], list[list]]:
-    pieces: list[list] = []
-    objects: list[list] = []
-
-    def stream() -> Iterator[memoryview]:
-        offset = 0
-        for item in items:
-            if item.piece is not None:
-                data = byte_view(host_contiguous(item.piece.tensor))
-                pieces.append([item.piece.spec, file_index, offset, data.nbytes, chunk_crcs(data, chunk)])
-            else:
-                data = memoryview(b"".join(item.value.chunks()))  # small: one buffer, one checksum pass
-                objects.append([item.name, file_index, offset, data.nbytes, len(item.value.tree),
-                                chunk_crcs(data, chunk)])
-            yield data
-            offset += data.nbytes
-
-    try:
-        location.storage.write_file(location.name(generation, name), stream())
-    except OSError as exc:
-        raise StorageError(f"writing {name} failed: {exc}", path=location.display) from exc
-    return pieces, objects

@@ -7,37 +7,14 @@ and loading writes into it without another copy.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from bcp.errors import UnsupportedValueError
 from bcp.layout.box import Box, flat_range_to_boxes
+from bcp.layout.piece import Piece
 from bcp.layout.shards import PLAIN_TENSORS, FlatShard, TensorShard, is_dtensor
-
-
-@dataclass(slots=True)
-class Piece:
-    name: str
-    dtype: torch.dtype
-    global_shape: tuple[int, ...]
-    box: Box
-    tensor: torch.Tensor
-
-    @property
-    def nbytes(self) -> int:
-        return self.box.numel * self.tensor.element_size()
-
-
-def box_columns(pieces: list[Piece], ndim: int) -> tuple[np.ndarray, np.ndarray]:
-    """The pieces' box offsets and lengths as ``[len(pieces), ndim]`` int64 arrays, padded as the
-    shard table pads boxes (offset 0, length 1) and cut to ``ndim`` columns."""
-    zeros, ones = (0,) * ndim, (1,) * ndim
-    offsets = np.array([(p.box.offsets + zeros)[:ndim] for p in pieces], dtype=np.int64)
-    lengths = np.array([(p.box.lengths + ones)[:ndim] for p in pieces], dtype=np.int64)
-    return offsets.reshape(len(pieces), ndim), lengths.reshape(len(pieces), ndim)
 
 
 def tensor_meta(name: str, value: Any) -> tuple[torch.dtype, tuple[int, ...]]:

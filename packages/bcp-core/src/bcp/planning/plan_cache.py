@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from bcp.layout.write_plan import RankAssignment
 from bcp.planning.save_plan import PlanColumns
 
 
@@ -13,8 +14,8 @@ from bcp.planning.save_plan import PlanColumns
 class CachedPlan:
     #: This rank's structure (``save_plan.structure_key``) the plan was made for; compared exactly, never hashed.
     structure: Any
-    #: This rank's write entries (see ``save_plan.global_plan``).
-    writes: list[Any]
+    #: This rank's share of the global plan.
+    writes: RankAssignment
     #: Every rank's pieces, kept on the coordinating rank only (it assembles manifests).
     columns: PlanColumns | None
 

@@ -5,45 +5,31 @@ the others receive them over the process group, so storage serves each byte once
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
-
-from bcp.planning.load_plan import ReadOp
-
-READ = "read"
-RECEIVE = "receive"
+from bcp.layout.read_op import ReadRequest, ReadRole
 
 
-def read_requests(ops: list[ReadOp]) -> list[list[Any]]:
-    """This rank's reads as plain data: ``[tensor, shard index, region offsets, region lengths, nbytes]``."""
-    return [[op.piece.name, op.shard_index, list(op.region.offsets), list(op.region.lengths),
-             op.region.numel * op.piece.tensor.element_size()] for op in ops]
-
-
-def assign_readers(requests: list[list[list[Any]]]) -> list[list[list[Any]]]:
-    """For each rank and each of its reads, its role: ``[READ, transfer id, [receiving ranks]]``
-    or ``[RECEIVE, transfer id, reading rank]``. Each distinct region goes to the requesting rank
-    with the fewest bytes to read so far, largest first; transfer ids number the shared regions in
-    one order that every rank follows, so sends and receives match."""
+def assign_readers(requests: list[list[ReadRequest]]) -> list[list[ReadRole]]:
+    """For each rank, the role of each of its read requests. Each distinct region goes to the
+    requesting rank with the fewest bytes to read so far, largest first."""
     holders: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
     sizes: dict[tuple, int] = {}
     for rank, rows in enumerate(requests):
-        for position, (name, shard, offsets, lengths, nbytes) in enumerate(rows):
-            key = (name, shard, tuple(offsets), tuple(lengths))
-            holders[key].append((rank, position))
-            sizes[key] = nbytes
+        for position, request in enumerate(rows):
+            holders[request.key].append((rank, position))
+            sizes[request.key] = request.nbytes
     load = [0] * len(requests)
-    roles: list[list[Any]] = [[None] * len(rows) for rows in requests]
+    alone = ReadRole(True, -1, ())
+    roles: list[list[ReadRole]] = [[alone] * len(rows) for rows in requests]
     transfer = 0
     for key in sorted(holders, key=lambda k: (-sizes[k], k)):
         group = holders[key]
         reader, position = min(group, key=lambda h: load[h[0]])
         load[reader] += sizes[key]
         if len(group) == 1:
-            roles[reader][position] = [READ, -1, []]
             continue
         receivers = [h for h in group if h[0] != reader]
-        roles[reader][position] = [READ, transfer, sorted({r for r, _ in receivers})]
+        roles[reader][position] = ReadRole(True, transfer, tuple(sorted({r for r, _ in receivers})))
         for rank, pos in receivers:
-            roles[rank][pos] = [RECEIVE, transfer, reader] if rank != reader else [READ, -1, []]
+            roles[rank][pos] = ReadRole(False, transfer, (reader,)) if rank != reader else alone
         transfer += 1
     return roles

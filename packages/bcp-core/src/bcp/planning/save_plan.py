@@ -4,7 +4,7 @@ Replicated data is written once: identical boxes of a tensor on several ranks ar
 each is given to the replica-holding rank with the fewest bytes so far, largest first (worst-fit,
 paper section 4.1); a very large replicated box is cut along its first dimension so that several
 of its holders write a part each. The coordinator also checks that ranks agree on every tensor's
-dtype and global shape and that the pieces cover every tensor exactly.
+dtype and global shape and that the pieces cover every tensor exactly (``layout.coverage``).
 
 Pieces travel and are planned as integer columns (numpy), so planning is a few sorts and array
 passes over all pieces: linear-logarithmic in their number, with Python loops only over tensors
@@ -19,46 +19,21 @@ from typing import Any
 import numpy as np
 
 from bcp.errors import MismatchError
-from bcp.layout.dtypes import dtype_from_name, dtype_name, itemsize
-from bcp.planning.pieces import Piece, box_columns
+from bcp.layout.coverage import first_cover_problem
+from bcp.layout.dtypes import dtype_from_name, itemsize
+from bcp.layout.box import Box
+from bcp.layout.local_plan import LocalPlan
+from bcp.layout.piece import Piece, pad_columns
+from bcp.layout.write_plan import PieceWrite, RankAssignment, SplitPart
 
-# Coverage is proven by volume plus pairwise disjointness; tensors with more distinct boxes than
-# this skip the pairwise test (volume and bounds are still checked, and a load re-checks that the
-# shards it reads cover each wanted box exactly once).
-PAIRWISE_OVERLAP_LIMIT = 64
 # A replicated box larger than this is split between the ranks that hold it.
 SPLIT_BYTES = 256 << 20
-
-
-def local_plan(tensors: list[tuple[str, Any, tuple[int, ...]]], pieces: list[Piece],
-               replica_crcs: list[int] | None) -> list[Any]:
-    """This rank's plan as plain data: ``[tensor rows, ndim, tensor index, offsets, lengths, crcs]``.
-
-    Tensor rows ``[name, dtype, global shape]`` declare every tensor this rank has, pieces or not
-    (an empty shard still names its tensor). Pieces are columns packed as bytes: the index of their
-    tensor row (int64), box offsets and lengths (int64, ``ndim`` columns, padded with 0 and 1) and,
-    for the replica check only, the crc32c of their bytes (uint32)."""
-    index = {name: i for i, (name, _, _) in enumerate(tensors)}
-    ndim = max([len(p.box.offsets) for p in pieces], default=0)
-    offsets, lengths = box_columns(pieces, ndim)
-    tensor = np.array([index[p.name] for p in pieces], dtype=np.int64)
-    crcs = np.array(replica_crcs, dtype=np.uint32).tobytes() if replica_crcs is not None else None
-    return [[[n, dtype_name(d), list(s)] for n, d, s in tensors], ndim, tensor.tobytes(), offsets.tobytes(),
-            lengths.tobytes(), crcs]
 
 
 def structure_key(tensors: list[tuple[str, Any, tuple[int, ...]]], pieces: list[Piece]) -> tuple:
     """Everything a local plan depends on, as plain tuples compared exactly: equal keys give equal
     local plans. Building it costs a fraction of building the plan, which a cache hit skips."""
     return tuple(tensors), [(p.name, p.box.offsets, p.box.lengths) for p in pieces]
-
-
-def plan_pieces(plan: list[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A local plan's piece columns: tensor row index, offsets and lengths."""
-    _, ndim, tensor, offsets, lengths, _ = plan
-    tensor = np.frombuffer(tensor, dtype=np.int64)
-    return (tensor, np.frombuffer(offsets, dtype=np.int64).reshape(len(tensor), ndim),
-            np.frombuffer(lengths, dtype=np.int64).reshape(len(tensor), ndim))
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,16 +47,16 @@ class PlanColumns:
     local plan's order. Built once per plan on the coordinating rank, and kept with a cached plan
     to assemble each save's manifest."""
 
-    def __init__(self, local_plans: list[list[Any]]) -> None:
+    def __init__(self, local_plans: list[LocalPlan]) -> None:
         self.names: list[str] = []
         self.dtypes: list[str] = []
         self.shapes: list[tuple[int, ...]] = []
         ids: dict[str, int] = {}
         first_rank: list[int] = []
         tensor, offsets, lengths, rank, local, crcs = [], [], [], [], [], []
-        self.ndim = max([plan[1] for plan in local_plans], default=0)
+        self.ndim = max([plan.ndim for plan in local_plans], default=0)
         for r, plan in enumerate(local_plans):
-            declared = plan[0]
+            declared = plan.tensors
             to_global = np.empty(len(declared), dtype=np.int64)
             for i, (name, dtype, shape) in enumerate(declared):
                 gid = ids.get(name)
@@ -96,14 +71,13 @@ class PlanColumns:
                         f"ranks disagree on the tensor: rank {first_rank[gid]} has {self.dtypes[gid]} "
                         f"{list(self.shapes[gid])}, rank {r} has {dtype} {list(shape)}", key=name)
                 to_global[i] = gid
-            t, o, n = plan_pieces(plan)
-            tensor.append(to_global[t])
-            offsets.append(_pad(o, self.ndim, 0))
-            lengths.append(_pad(n, self.ndim, 1))
-            rank.append(np.full(len(t), r, dtype=np.int64))
-            local.append(np.arange(len(t), dtype=np.int64))
-            if plan[5] is not None:
-                crcs.append(np.frombuffer(plan[5], dtype=np.uint32))
+            tensor.append(to_global[plan.tensor])
+            offsets.append(pad_columns(plan.offsets, self.ndim, 0))
+            lengths.append(pad_columns(plan.lengths, self.ndim, 1))
+            rank.append(np.full(len(plan), r, dtype=np.int64))
+            local.append(np.arange(len(plan), dtype=np.int64))
+            if plan.replica_crcs is not None:
+                crcs.append(plan.replica_crcs)
         empty = np.zeros(0, dtype=np.int64)
         self.tensor = np.concatenate(tensor) if tensor else empty
         self.offsets = np.concatenate(offsets) if offsets else empty.reshape(0, self.ndim)
@@ -113,22 +87,11 @@ class PlanColumns:
         self.crcs = np.concatenate(crcs) if len(crcs) == len(local_plans) and crcs else None
         self.starts = np.concatenate([[0], np.cumsum([len(t) for t in tensor])]).astype(np.int64)
         self.itemsize = np.array([itemsize_of(d) for d in self.dtypes], dtype=np.int64)
-        self.shape_rows = np.ones((len(self.names), self.ndim), dtype=np.int64)
-        for gid, shape in enumerate(self.shapes):
-            self.shape_rows[gid, :len(shape)] = shape
 
 
-def _pad(columns: np.ndarray, ndim: int, fill: int) -> np.ndarray:
-    if columns.shape[1] == ndim:
-        return columns
-    out = np.full((columns.shape[0], ndim), fill, dtype=np.int64)
-    out[:, :columns.shape[1]] = columns
-    return out
-
-
-def global_plan(p: PlanColumns, split_bytes: int | None = None) -> list[list[Any]]:
-    """For each rank, the pieces it writes: a piece index, or ``[index, offsets, lengths]`` for the
-    part of a split replicated piece (boxes over ``split_bytes``, default ``SPLIT_BYTES``)."""
+def global_plan(p: PlanColumns, split_bytes: int | None = None) -> list[RankAssignment]:
+    """For each rank, the pieces it writes: whole local pieces, and parts of split replicated pieces
+    (boxes over ``split_bytes``, default ``SPLIT_BYTES``)."""
     split_bytes = split_bytes or SPLIT_BYTES
     keys = np.concatenate([p.tensor[:, None], p.offsets, p.lengths], axis=1)
     distinct, first, inverse = _unique_rows(keys)
@@ -143,12 +106,12 @@ def global_plan(p: PlanColumns, split_bytes: int | None = None) -> list[list[Any
 
     world = len(p.starts) - 1
     load = np.zeros(world, dtype=np.int64)
-    writes: list[list[Any]] = [[] for _ in range(world)]
+    writes = [RankAssignment() for _ in range(world)]
     single = counts == 1
     single_rows = first[single]
     np.add.at(load, p.rank[single_rows], nbytes[single])
     for r, index in zip(p.rank[single_rows].tolist(), p.local[single_rows].tolist()):
-        writes[r].append(index)
+        writes[r].whole.append(index)
 
     # Boxes held by several ranks: largest first, each to its least loaded holder.
     by_box = np.argsort(inverse, kind="stable")
@@ -162,7 +125,7 @@ def global_plan(p: PlanColumns, split_bytes: int | None = None) -> list[list[Any
         if parts <= 1:
             pick = int(np.argmin(load[holders]))
             load[holders[pick]] += size
-            writes[int(holders[pick])].append(int(p.local[rows[pick]]))
+            writes[int(holders[pick])].whole.append(int(p.local[rows[pick]]))
             continue
         ndim = len(p.shapes[gid[box]])
         chosen = np.argsort(load[holders], kind="stable")[:parts]
@@ -172,7 +135,8 @@ def global_plan(p: PlanColumns, split_bytes: int | None = None) -> list[list[Any
             sub_offsets[0] += start
             sub_lengths[0] = count
             load[holders[pick]] += size * count // rows_dim0
-            writes[int(holders[pick])].append([int(p.local[rows[pick]]), sub_offsets, sub_lengths])
+            part = SplitPart(int(p.local[rows[pick]]), tuple(sub_offsets), tuple(sub_lengths))
+            writes[int(holders[pick])].parts.append(part)
     return writes
 
 
@@ -215,40 +179,19 @@ def _check_replicas_agree(p: PlanColumns, first: np.ndarray, inverse: np.ndarray
 
 
 def _check_coverage(p: PlanColumns, gid: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
-    outside = np.any((offsets < 0) | (offsets + lengths > p.shape_rows[gid]), axis=1)
-    if np.any(outside):
-        row = int(np.flatnonzero(outside)[0])
-        raise MismatchError(f"a piece lies outside the global shape {list(p.shapes[gid[row]])}",
-                            key=p.names[gid[row]])
-    covered = np.zeros(len(p.names), dtype=np.int64)
-    np.add.at(covered, gid, np.prod(lengths, axis=1))
-    total = np.prod(p.shape_rows, axis=1)
-    wrong = np.flatnonzero(covered != total)
-    if len(wrong):
-        t = int(wrong[0])
-        raise MismatchError(
-            f"the ranks' pieces cover {int(covered[t])} of the tensor's {int(total[t])} elements "
-            f"(global shape {list(p.shapes[t])}); every element must be held by some rank", key=p.names[t])
-    _check_disjoint(p, gid, offsets, lengths)
+    """The distinct boxes of every tensor cover it exactly (replicas were merged into one box)."""
+    problem = first_cover_problem(p.shapes, gid, offsets, lengths)
+    if problem is not None:
+        raise MismatchError(f"the ranks' pieces do not cover the tensor (global shape {list(p.shapes[problem.tensor])}) "
+                            f"exactly: {problem.describe()}; every element must be held by exactly one rank or by "
+                            "identical replicas", key=p.names[problem.tensor])
 
 
-def _check_disjoint(p: PlanColumns, gid: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> None:
-    """No two distinct boxes of a tensor overlap (tensors with at most PAIRWISE_OVERLAP_LIMIT boxes),
-    checked for all pairs at once, grouped by box count."""
-    order = np.argsort(gid, kind="stable")
-    per_tensor = np.bincount(gid, minlength=len(p.names))
-    starts = np.concatenate([[0], np.cumsum(per_tensor)])[:-1]
-    ends = offsets + lengths
-    for k in np.unique(per_tensor).tolist():
-        if k < 2 or k > PAIRWISE_OVERLAP_LIMIT:
-            continue
-        i, j = np.triu_indices(k, 1)
-        base = starts[per_tensor == k][:, None]
-        a, b = order[(base + i).ravel()], order[(base + j).ravel()]
-        overlap = np.all(np.maximum(offsets[a], offsets[b]) < np.minimum(ends[a], ends[b]), axis=1)
-        if np.any(overlap):
-            x, y = a[np.argmax(overlap)], b[np.argmax(overlap)]
-            ndim = len(p.shapes[gid[x]])
-            raise MismatchError(
-                f"pieces at offsets {offsets[x, :ndim].tolist()} and {offsets[y, :ndim].tolist()} overlap "
-                "without being replicas", key=p.names[gid[x]])
+def writes_of(pieces: list[Piece], assignment: RankAssignment) -> list[PieceWrite]:
+    """A rank's assignment resolved to the tensors it writes (views of its pieces, no copy)."""
+    out = [PieceWrite.of(index, None, pieces[index].tensor) for index in assignment.whole]
+    for part in assignment.parts:
+        piece = pieces[part.index]
+        region = Box(part.offsets, part.lengths).relative_to(piece.box)
+        out.append(PieceWrite.of(part.index, part, piece.tensor[region.slices()]))
+    return out

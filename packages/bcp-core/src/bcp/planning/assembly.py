@@ -1,36 +1,37 @@
-"""Assembling the manifest from the plan's columns and every rank's writes (on the coordinating
-rank). Shard rows are assembled as columns, so the cost is a few array operations plus one small
-record per tensor, however many pieces the ranks wrote."""
+"""Assembling a generation's manifest on the coordinating rank, from the plan's columns and every
+rank's write report. Shard rows are assembled as columns, so the cost is a few array operations plus
+one small record per tensor, however many pieces the ranks wrote."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 
-from bcp.engine.writer import WrittenPieces
 from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry, TensorEntry
 from bcp.layout.shard_table import ShardTable
+from bcp.layout.write_report import RankWrites, WrittenPieces
 from bcp.planning.save_plan import PlanColumns
 
 
-def build_manifest(*, generation: int, framework: str, checksum_chunk: int, writer: str,
-                   columns: PlanColumns, writes: list[list[Any]]) -> Manifest:
-    """``columns`` are the plan's pieces (``save_plan.PlanColumns``); ``writes[r]`` is what rank r
-    wrote (``RankWrites.to_wire``)."""
+def assemble_manifest(*, generation: int, framework: str, checksum_chunk: int, writer: str, columns: PlanColumns,
+                      reports: list[RankWrites], world_size: int | None = None) -> Manifest:
+    """``columns`` are the plan's pieces; ``reports[r]`` is what rank r wrote. ``world_size`` is the
+    saved world's (default: one report per rank)."""
     files: list[str] = []
     file_base: list[int] = []
-    for rank_files, *_ in writes:
+    for report in reports:
         file_base.append(len(files))
-        files.extend(rank_files)
-    table, per_tensor = _shard_table(columns, [WrittenPieces.from_wire(w[1]) for w in writes], file_base)
+        files.extend(report.files)
+    table, per_tensor = _shard_table(columns, [r.pieces for r in reports], file_base)
     firsts = np.concatenate([[0], np.cumsum(per_tensor)]).tolist()
     tensors = {name: TensorEntry.from_table(name, dtype, shape, table, firsts[i], firsts[i + 1] - firsts[i])
                for i, (name, dtype, shape) in enumerate(zip(columns.names, columns.dtypes, columns.shapes))}
-    return Manifest(generation=generation, world_size=len(writes), framework=framework, files=files,
-                    tensors=tensors, objects=_object_entries(writes, file_base), checksum_chunk=checksum_chunk,
-                    unsafe_pickle=any(w[3] for w in writes), created_unix=time.time(), writer=writer)
+    world_size = len(reports) if world_size is None else world_size
+    return Manifest(generation=generation, world_size=world_size, framework=framework, files=files,
+                    tensors=tensors, objects=_object_entries(reports, file_base, world_size),
+                    checksum_chunk=checksum_chunk, unsafe_pickle=any(r.used_pickle for r in reports),
+                    created_unix=time.time(), writer=writer)
 
 
 def _shard_table(columns: PlanColumns, written: list[WrittenPieces],
@@ -63,16 +64,14 @@ def _shard_table(columns: PlanColumns, written: list[WrittenPieces],
     return table, np.bincount(tensor, minlength=len(columns.names))
 
 
-def _object_entries(writes: list[list[Any]], file_base: list[int]) -> dict[str, ObjectEntry]:
-    per_rank: dict[str, dict[int, tuple[ByteRange, int]]] = {}
-    for rank, (_, _, object_writes, _) in enumerate(writes):
-        for name, file, offset, nbytes, tree, crcs in object_writes:
-            where = ByteRange(file_base[rank] + file, offset, nbytes, tuple(crcs))
-            per_rank.setdefault(name, {})[rank] = (where, tree)
-    objects: dict[str, ObjectEntry] = {}
-    for name, by_rank in per_rank.items():
-        holders = sorted(by_rank)
-        index = {rank: i for i, rank in enumerate(holders)}
-        objects[name] = ObjectEntry(name, [by_rank[r] for r in holders],
-                                    [index.get(r, -1) for r in range(len(writes))])
-    return objects
+def _object_entries(reports: list[RankWrites], file_base: list[int], world_size: int) -> dict[str, ObjectEntry]:
+    """One entry per value name: its records, and for each saved rank the record it saved (a record
+    names its ranks, or stands for the rank that wrote it)."""
+    per_name: dict[str, tuple[list[tuple[ByteRange, int]], list[int]]] = {}
+    for rank, report in enumerate(reports):
+        for v in report.values:
+            records, ranks = per_name.setdefault(v.name, ([], [-1] * world_size))
+            for holder in (v.ranks if v.ranks is not None else [rank]):
+                ranks[holder] = len(records)
+            records.append((ByteRange(file_base[rank] + v.file, v.offset, v.nbytes, tuple(v.crcs)), v.tree_nbytes))
+    return {name: ObjectEntry(name, records, ranks) for name, (records, ranks) in per_name.items()}

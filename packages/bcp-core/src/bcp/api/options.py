@@ -1,0 +1,69 @@
+"""Options of ``save`` and ``load``: one frozen object each, which integrations hold and pass through
+instead of repeating keyword lists. ``bcp.save(path, state, async_save=True)`` and
+``bcp.save(path, state, SaveOptions(async_save=True))`` are the same call."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping, TypeVar
+
+from bcp.coord import Coordinator
+
+DEFAULT_IO_THREADS = 4
+
+_Options = TypeVar("_Options", bound="_CommonOptions")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _CommonOptions:
+    """What saving and loading share."""
+
+    framework: str | None = None
+    """Adapter to use for ``model``/``optimizer`` (default: detected from the objects)."""
+    role: str | None = None
+    """A name under the path (``<path>/<role>/``), for checkpoints saved side by side."""
+    coordinator: Coordinator | None = None
+    """How ranks exchange plans (default: the world's process group, or a single process)."""
+    allow_pickle: bool = False
+    """Saving: pickle values outside the safe encoding (the checkpoint is then marked unsafe).
+    Loading: allow values that were saved so (never needed for bcp's safe encoding)."""
+    io_threads: int = DEFAULT_IO_THREADS
+    """Writer or reader threads per rank, at most."""
+
+    def merged(self: _Options, keywords: Mapping[str, Any]) -> _Options:
+        """These options with ``keywords`` replacing fields; an unknown keyword is a TypeError, as
+        for any call."""
+        if not keywords:
+            return self
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(keywords) - fields)
+        if unknown:
+            raise TypeError(f"got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                            f"the options are {', '.join(sorted(fields))}")
+        return dataclasses.replace(self, **keywords)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveOptions(_CommonOptions):
+    """How ``bcp.save`` saves."""
+
+    async_save: bool = False
+    """Return once the state is copied to host memory; the handle's ``wait()`` returns when committed."""
+    verify_replicas: bool = False
+    """Check, by checksum, that replicated tensors agree across ranks."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadOptions(_CommonOptions):
+    """How ``bcp.load`` loads."""
+
+    strict: bool = True
+    """Every requested entry must be saved and every saved entry of a requested component requested."""
+    verify: bool = True
+    """Check every byte read against its checksum."""
+    read_once: bool = False
+    """Bytes that several ranks need are read by one of them and sent to the others."""
+    transactional: bool = True
+    """Read into staging memory and place into the live tensors only once every rank has read and
+    verified everything: a failed load leaves the live state as it was (at the cost of one copy)."""

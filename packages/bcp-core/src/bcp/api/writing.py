@@ -1,0 +1,46 @@
+"""The writer door: every rank writes its share of a generation, the coordinating rank assembles the
+manifest from every rank's report and commits it. ``bcp.save`` and the tools that write checkpoints
+(``convert``, ``edit``, ``export`` to bcp) all write through it."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from bcp.api.gc_pause import paused_gc
+from bcp.api.results import PhaseStats
+from bcp.coord import Coordinator
+from bcp.coord.consensus import Outcome, gather_then_reply
+from bcp.engine.writer import GenerationWriter
+from bcp.errors import CheckpointNotCommittedError
+from bcp.layout.manifest import Manifest
+from bcp.layout.write_plan import PieceWrite, ValueWrite
+from bcp.layout.write_report import RankWrites
+
+
+def write_generation(coord: Coordinator, writer: GenerationWriter, pieces: Sequence[PieceWrite],
+                     values: Sequence[ValueWrite], manifest_of: Callable[[list[RankWrites]], Manifest],
+                     stats: PhaseStats, on_written: Callable[[int], None] | None = None) -> None:
+    """Collective. Write this rank's ``pieces`` and ``values``; the coordinating rank then builds the
+    manifest with ``manifest_of(every rank's report)`` and commits it. A failure on any rank is
+    raised on every rank, and what was written of the generation is removed (unless another writer
+    committed it)."""
+    try:
+        with stats.phase("write"):
+            written = Outcome.of(lambda: writer.write_rank(coord.rank, pieces, values, on_written))
+        stats.bytes = written.value.nbytes if written.error is None else 0
+        report = Outcome(written.value.to_wire() if written.error is None else None, written.error)
+
+        def commit(every_rank: list[Any]) -> list[None]:
+            with paused_gc():  # on the background thread of an async save, the foreground's pause is over
+                manifest = manifest_of([RankWrites.from_wire(wire) for wire in every_rank])
+            writer.commit(manifest)
+            return [None] * coord.world_size
+
+        with stats.phase("commit"):
+            gather_then_reply(coord, report, commit, f"writing the checkpoint {writer.location.display}")
+    except CheckpointNotCommittedError:
+        raise  # another writer committed this generation: what is there is theirs
+    except BaseException:
+        if coord.rank == 0:  # every rank has stopped writing: the failure reached it in the exchange
+            writer.discard()
+        raise
