@@ -8,15 +8,16 @@ millions of pieces with a few array operations.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from bcp.layout.dtypes import dtype_name
 from bcp.layout.piece import Piece, box_columns
 
-#: A declared tensor: name, dtype name (``layout.dtypes``) and global shape.
-TensorDeclaration = tuple[str, str, tuple[int, ...]]
+#: A declared tensor: name, dtype name (``layout.dtypes``) and global shape (a tuple, or the list
+#: it unpacks as: at thousands of ranks the coordinator does not convert every declaration).
+TensorDeclaration = Sequence[Any]
 
 
 @dataclass(slots=True)
@@ -56,7 +57,7 @@ class LocalPlan:
     def from_wire(wire: list[Any]) -> "LocalPlan":
         declared, ndim, tensor, offsets, lengths, crcs = wire
         tensor = np.frombuffer(tensor, dtype=np.int64)
-        return LocalPlan([(n, d, tuple(s)) for n, d, s in declared], ndim, tensor,
+        return LocalPlan(declared, ndim, tensor,
                          np.frombuffer(offsets, dtype=np.int64).reshape(len(tensor), ndim),
                          np.frombuffer(lengths, dtype=np.int64).reshape(len(tensor), ndim),
                          np.frombuffer(crcs, dtype=np.uint32) if crcs is not None else None)
