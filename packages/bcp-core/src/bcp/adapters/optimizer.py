@@ -121,13 +121,29 @@ def _apply_to_dict(osd: Any, values: dict[str, Any]) -> None:
 
 
 def _apply_groups(live: list[dict], saved: list[dict], live_names: list[list[str]]) -> None:
-    if len(saved) != len(live):
-        raise MismatchError(f"the checkpoint has {len(saved)} optimizer param groups, the optimizer has "
-                            f"{len(live)}", key="optimizer/param_groups")
-    for i, (group, saved_group, names) in enumerate(zip(live, saved, live_names)):
-        if sorted(saved_group.get("params", [])) != sorted(names):
-            raise MismatchError(f"optimizer param group {i} holds other parameters than in the checkpoint",
+    """Give each live group the hyper-parameters its parameters were saved with. ``saved`` may hold
+    the groups of several saved ranks (pipeline stages hold different parameters): a parameter is
+    found by name wherever it was saved, so any change of layout restores every group."""
+    settings: dict[str, dict] = {}
+    for group in saved:
+        for name in group.get("params", []):
+            settings.setdefault(name, {k: v for k, v in group.items() if k != "params"})
+    for i, (group, names) in enumerate(zip(live, live_names)):
+        found = [settings.get(name) for name in names]
+        unknown = [name for name, s in zip(names, found) if s is None]
+        if unknown:
+            raise MismatchError(f"optimizer param group {i}: parameter(s) {unknown[:5]} are in no saved param group",
                                 key="optimizer/param_groups")
-        for key, value in saved_group.items():
-            if key != "params":
-                group[key] = value
+        if any(not _same(found[0], other) for other in found[1:]):
+            raise MismatchError(f"optimizer param group {i} holds parameters that were saved in groups with "
+                                "different hyper-parameters", key="optimizer/param_groups")
+        if found:
+            group.update(found[0])
+
+
+def _same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else
+               (not isinstance(x, torch.Tensor) and not isinstance(y, torch.Tensor) and x == y)
+               for x, y in ((a[k], b[k]) for k in a))

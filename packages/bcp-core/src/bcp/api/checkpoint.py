@@ -103,6 +103,17 @@ class Checkpoint:
             raise CheckpointError(f"rank {rank} saved no value {name!r}; ranks that did: {saved}", path=self.path)
         return self.reader.read_object(entry, rank, allow_pickle=allow_pickle)
 
+    def distinct_values(self, name: str, *, allow_pickle: bool = False) -> list[Any]:
+        """Every different value saved under ``name``, in the order of the first rank that saved
+        each (replicas' records, identical to the byte, are read once)."""
+        entry = self.objects[name]
+        seen: dict[tuple, int] = {}
+        for rank, record in enumerate(entry.ranks):
+            where = entry.records[record][0] if record >= 0 else None
+            if where is not None:
+                seen.setdefault((where.nbytes, where.crcs), rank)
+        return [self.reader.read_object(entry, rank, allow_pickle=allow_pickle) for rank in seen.values()]
+
     def value_source(self, name: str, rank: int | None = None) -> int:
         """Whose saved value ``name`` rank ``rank`` receives: its own, else the first rank's that
         saved one (without a rank: the first rank's)."""

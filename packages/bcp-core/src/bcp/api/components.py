@@ -14,6 +14,9 @@ from bcp.errors import CheckpointError
 MODEL = "model"
 OPTIMIZER = "optimizer"
 RESHARDED = (MODEL, OPTIMIZER)
+#: Per-rank values whose records from every saved rank are loaded together (the adapter resolves
+#: them by parameter name): which parameters a rank holds changes with the layout (pipeline stages).
+MERGED_ACROSS_RANKS = (f"{OPTIMIZER}/param_groups",)
 
 
 def is_stateful(obj: Any) -> bool:

@@ -16,8 +16,9 @@ import torch
 from bcp.adapters import adapter_for
 from bcp.adapters.base import FrameworkAdapter
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
-from bcp.api.components import RESHARDED, apply, check_keys, collect
+from bcp.api.components import MERGED_ACROSS_RANKS, RESHARDED, apply, check_keys, collect
 from bcp.api.gc_pause import paused_gc
+from bcp.api.names import NameMatch, listing, match_names, unexpected_across_ranks
 from bcp.api.options import LoadOptions
 from bcp.api.results import LoadResult, PhaseStats
 from bcp.coord import Coordinator, default_coordinator
@@ -31,9 +32,6 @@ from bcp.planning.pieces import pieces_of, tensor_meta
 from bcp.planning.read_once import assign_readers
 from bcp.storage import Storage
 
-_LISTED = 20  # names shown in a strict-mode error before "and N more"
-
-
 @paused_gc()  # a load of thousands of tensors builds a few records per tensor, none in cycles
 def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: LoadOptions | None = None,
          **keywords: Any) -> LoadResult:
@@ -41,7 +39,8 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
 
     Model and optimizer are resharded into the layout they have now. ``options``
     (:class:`LoadOptions`), or its fields as keywords: with ``strict``, every requested entry must be
-    saved and every saved entry of a requested component requested; ``verify`` checks every byte
+    saved and every saved entry of a requested component requested by some rank (a pipeline stage
+    asks for its own names only); ``verify`` checks every byte
     read against its checksum; with ``read_once``, bytes that several ranks need (data-parallel
     replicas) are read from storage by one of them and sent to the others over the process group;
     ``transactional`` (default) leaves the live state untouched when the load fails;
@@ -63,7 +62,12 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
     roles = _read_once_roles(coord, planned, checkpoint) if options.read_once else None
     read = Outcome.of(lambda: _read(planned, checkpoint, roles, coord, result, options.allow_pickle))
     stats.bytes = checkpoint.reader.bytes_read
-    all_agree(coord, Outcome(error=read.error), f"loading {checkpoint.path}")
+    left_over = Outcome(bool(planned.value.names.left_over) if read.error is None else None, read.error)
+    if any(all_agree(coord, left_over, f"loading {checkpoint.path}")):
+        result.unexpected = unexpected_across_ranks(coord, Outcome.of(lambda: planned.value.names), checkpoint)
+        if options.strict and result.unexpected:
+            raise MismatchError(f"strict load: in the checkpoint but wanted by no rank: {listing(result.unexpected)} "
+                                "(pass strict=False to load the overlap)", path=checkpoint.path)
     with stats.phase("apply"):
         applied = Outcome.of(lambda: _apply(state, adapter, planned.value, read.value))
         all_agree(coord, applied, f"restoring the state loaded from {checkpoint.path}")
@@ -76,6 +80,7 @@ class _Plan:
     of the values to decode."""
 
     wanted: dict[str, Any]
+    names: NameMatch
     ops: list[ReadOp] = field(default_factory=list)
     values: list[str] = field(default_factory=list)
     #: (live piece, staging tensor) pairs of a transactional load: the reads fill the staging tensors.
@@ -85,8 +90,9 @@ class _Plan:
 def _plan(state: dict[str, Any], adapter: FrameworkAdapter | None, checkpoint: Checkpoint, result: LoadResult,
           options: LoadOptions) -> _Plan:
     manifest = checkpoint.manifest
-    plan = _Plan(collect(state, adapter, for_load=True))
-    _match_names(plan.wanted, checkpoint, options.strict, result)
+    wanted = collect(state, adapter, for_load=True)
+    plan = _Plan(wanted, match_names(wanted, checkpoint, options.strict))
+    result.loaded, result.missing = plan.names.loaded, plan.names.missing
     pieces: list[Piece] = []
     for name in result.loaded:
         if name in manifest.tensors and is_tensor_value(plan.wanted[name]):
@@ -132,6 +138,10 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
                                                          checkpoint.io_threads)
         loaded = {name: plan.wanted[name] for name in result.loaded if name in checkpoint.tensors}
         for name in plan.values:
+            if name in MERGED_ACROSS_RANKS:
+                merged = checkpoint.distinct_values(name, allow_pickle=allow_pickle)
+                loaded[name] = [item for value in merged for item in value]
+                continue
             source = checkpoint.value_source(name, coord.rank)
             if source != coord.rank and name.split("/", 1)[0] not in RESHARDED:
                 result.from_rank0.append(name)
@@ -145,25 +155,3 @@ def _apply(state: dict[str, Any], adapter: FrameworkAdapter | None, plan: _Plan,
     for piece, staging in plan.staged:
         piece.tensor.copy_(staging)
     apply(state, adapter, loaded)
-
-
-def _match_names(wanted: dict[str, Any], checkpoint: Checkpoint, strict: bool, result: LoadResult) -> None:
-    components = {name.split("/", 1)[0] for name in wanted}
-    saved = {n for n in [*checkpoint.tensors, *checkpoint.objects] if n.split("/", 1)[0] in components}
-    missing = sorted(set(wanted) - saved)
-    unexpected = sorted(saved - set(wanted))
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {_listing(missing)}")
-        if unexpected:
-            parts.append(f"in the checkpoint but not in the live state: {_listing(unexpected)}")
-        raise MismatchError("strict load: " + "; ".join(parts) + " (pass strict=False to load the overlap)",
-                            path=result.path)
-    result.missing, result.unexpected = missing, unexpected
-    result.loaded = [name for name in wanted if name in saved]
-
-
-def _listing(names: list[str]) -> str:
-    shown = ", ".join(names[:_LISTED])
-    return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
