@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 import bcp
 from bcp_lightning import convert
-from bcp_lightning.io import CheckpointIOMixin, refuse_storage_options
+from bcp_lightning.io import CheckpointIOMixin
 
 
 class StrategyMixin:
@@ -68,10 +68,9 @@ class StrategyMixin:
         return get_optimizer_state_dict(self.model, _unwrap(optimizer))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Every rank saves its part; the path is rank 0's."""
-        refuse_storage_options(storage_options)
+        """Every rank saves its part; the path is rank 0's. ``storage_options`` as for ``BCPCheckpointIO``."""
         path = self.broadcast(os.fspath(filepath))
-        self.checkpoint_io.save_on_ranks(checkpoint, path)
+        self.checkpoint_io.save_on_ranks(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the model, and the optimizers when fitting, in place; return Lightning's other entries."""
