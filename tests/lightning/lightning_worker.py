@@ -203,7 +203,27 @@ def expect_error(strategy: str, dirpath: str, resume_from: str) -> str:
     return "no error"
 
 
-CASES = {"fit": fit, "expect_error": expect_error}
+def count_collectives(strategy: str, path: str) -> dict[str, Any]:
+    """After one epoch, the collectives on the training process group (the world; bcp plans over
+    its own group) while ``Trainer.save_checkpoint(path)`` runs and while the strategy loads that
+    checkpoint back; the whole state when saved."""
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=STRATEGIES[strategy](), max_epochs=1,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        enable_checkpointing=False)
+    trainer.fit(LitMLP(LAYOUTS[strategy]), datamodule=Data())
+    world = torch.distributed.group.WORLD
+    before = world._get_sequence_number_for_group()
+    trainer.save_checkpoint(path)
+    after_save = world._get_sequence_number_for_group()
+    saved = full_state(trainer)
+    after_snapshot = world._get_sequence_number_for_group()
+    trainer.strategy.load_checkpoint(path)
+    after_load = world._get_sequence_number_for_group()
+    return {"save": after_save - before, "load": after_load - after_snapshot, "saved": saved,
+            "global_step": trainer.global_step}
+
+
+CASES = {"fit": fit, "expect_error": expect_error, "count_collectives": count_collectives}
 
 
 def main() -> None:

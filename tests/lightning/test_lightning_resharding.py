@@ -28,6 +28,10 @@ def fit(strategy: str, dirpath: str, epochs: int, **args) -> dict:
     return {"case": "fit", "args": {"strategy": strategy, "dirpath": dirpath, "epochs": epochs, **args}}
 
 
+def count(strategy: str, path: str) -> dict:
+    return {"case": "count_collectives", "args": {"strategy": strategy, "path": path}}
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("lightning"))
@@ -57,6 +61,10 @@ def two_processes(root, one_process) -> dict:
         "ddp_to_tp": fit("bcp_tp", f"{r}/tp", 4, resume_from=f"{r}/bcp_ddp/explicit.ckpt"),
         "fsdp2_1_to_2": fit("bcp_fsdp2", f"{r}/mp1to2", 3, resume_from=f"{r}/mp1/last.ckpt"),
         "fsdp1": fit("bcp_fsdp", f"{r}/fsdp1", 2, top_k=1, monitor="step", async_save=True),
+        # Collectives of a save and a load: FSDP1's against DDP's (which has nothing to gather).
+        "fsdp1_collectives": count("bcp_fsdp", f"{r}/fsdp1_counted.ckpt"),
+        "ddp_collectives": count("bcp_ddp", f"{r}/ddp_counted.ckpt"),
+        "fsdp1_counted_resumed": fit("bcp_fsdp", f"{r}/fsdp1_resumed", 2, resume_from=f"{r}/fsdp1_counted.ckpt"),
     }
     results = run(2, list(cases.values()), f"{r}/launch-2")
     return {name: [rank[i] for rank in results] for i, name in enumerate(cases)}
@@ -141,6 +149,17 @@ def test_fsdp1_two_to_one(two_processes, back_to_one):
     saved = two_processes["fsdp1"][0]
     step = 2 * STEPS_PER_EPOCH[2]
     assert_resumed_from(back_to_one["fsdp1_2_to_1"], saved["saved"][step], step)
+
+
+def test_fsdp1_saves_and_loads_with_no_collective_but_bcps_planning(two_processes):
+    # On the training group, FSDP1's save and load take only what DDP's do: Lightning's broadcast
+    # of the path from rank 0 (two broadcasts) and, for the save, Trainer.save_checkpoint's barrier.
+    # torch's sharded state dict all-gathers parameters and exchanges optimizer state there.
+    for fsdp1, ddp in zip(two_processes["fsdp1_collectives"], two_processes["ddp_collectives"]):
+        assert (fsdp1["save"], fsdp1["load"]) == (ddp["save"], ddp["load"]) == (3, 2)
+    for saved, resumed in zip(two_processes["fsdp1_collectives"], two_processes["fsdp1_counted_resumed"]):
+        assert_resumed_from(resumed, saved["saved"], saved["global_step"])
+        assert resumed["final"]["global_step"] == 2 * STEPS_PER_EPOCH[2]
 
 
 def test_model_checkpoint_top_k_and_last(root, two_processes):

@@ -6,11 +6,13 @@ test walks their imports).
 - coordination: the coordinator and the error-agreeing exchanges built on it;
 - representation: boxes, pieces and the dtype names of the format;
 - the reader door: a committed checkpoint opened for reading (the manifest, wanted pieces, values);
-- storage: the backend for a path or URL.
+- storage: the backend for a path or URL;
+- adapters: the registered framework adapter for live objects, by name (as ``bcp.save`` finds it).
 """
 
 from __future__ import annotations
 
+from bcp.adapters import adapter_for
 from bcp.adapters.optimizer import initialize_state
 from bcp.api.location import resolve as checkpoint_location
 from bcp.coord import Coordinator, default_coordinator
@@ -27,4 +29,5 @@ __all__ = [
     "Manifest", "ObjectEntry", "TensorEntry",
     "checkpoint_location", "initialize_state",
     "Storage", "storage_for",
+    "adapter_for",
 ]
