@@ -114,6 +114,15 @@ def test_a_hostile_torch_checkpoint_is_refused_without_running_it(tmp_path):
         trainer(tmp_path / "run", 1, BCPCheckpointIO()).fit(LitMLP(), datamodule=Data(shuffle=False), ckpt_path=path)
     assert not marker.exists()
 
+    # Damaged files and other objects are refused clearly as well.
+    intact = path.read_bytes()
+    path.write_bytes(intact[: len(intact) // 2])
+    with pytest.raises(bcp.CorruptCheckpointError, match="not a readable torch.save checkpoint"):
+        BCPCheckpointIO().load_checkpoint(path)
+    torch.save([1, 2], path)
+    with pytest.raises(bcp.CheckpointError, match="holds a list, not a Lightning checkpoint dict"):
+        BCPCheckpointIO().load_checkpoint(path)
+
 
 # Lightning's AsyncCheckpointIO wrapper
 

@@ -52,9 +52,12 @@ def two_processes(root, one_process) -> dict:
         "ddp_plugin": fit("ddp", f"{r}/ddp_plugin", 4, plugin=True, save_last="link"),
         "ddp_plugin_resumed": fit("ddp", f"{r}/ddp_plugin_resumed", 4, plugin=True,
                                   resume_from=f"{r}/ddp_plugin/epoch=1.ckpt"),
-        # BCPDDPStrategy: the same, plus Trainer.save_checkpoint and top-k removal.
+        # BCPDDPStrategy: the same, plus Trainer.save_checkpoint (with storage_options) and top-k removal.
         "bcp_ddp": fit("bcp_ddp", f"{r}/bcp_ddp", 3, top_k=2, monitor="step",
-                       extra_saves=[[f"{r}/bcp_ddp/explicit.ckpt", False], [f"{r}/weights_only.ckpt", True]]),
+                       extra_saves=[[f"{r}/bcp_ddp/explicit.ckpt", False, {"verify_replicas": True, "io_threads": 1}],
+                                    [f"{r}/weights_only.ckpt", True]]),
+        # Lightning's DDPStrategy and its default TorchCheckpointIO: single-file checkpoints.
+        "ddp_torch": fit("ddp", f"{r}/ddp_torch", 2),
         "bcp_ddp_resumed": fit("bcp_ddp", f"{r}/bcp_ddp_resumed", 3, resume_from=f"{r}/bcp_ddp/epoch=1.ckpt"),
         # DDP -> ModelParallel (FSDP2) on two processes; this run's last checkpoint goes to one process.
         "ddp_to_fsdp2": fit("bcp_fsdp2", f"{r}/mp2", 4, resume_from=f"{r}/bcp_ddp/explicit.ckpt"),
@@ -85,6 +88,10 @@ def back_to_one(root, two_processes) -> dict:
             "strategy": "bcp_fsdp2", "dirpath": f"{r}/p3-f", "resume_from": f"{r}/ddp_plugin/epoch=1.ckpt"}},
         "weights_only_resume": {"case": "expect_error", "args": {
             "strategy": "bcp_ddp", "dirpath": f"{r}/p3-g", "resume_from": f"{r}/weights_only.ckpt"}},
+        # A run switches to bcp: the plugin resumes its TorchCheckpointIO file (2 -> 1); a strategy says how.
+        "torch_file_to_plugin": fit("single", f"{r}/p3-i", 3, plugin=True, resume_from=f"{r}/ddp_torch/epoch=1.ckpt"),
+        "torch_file_into_strategy": {"case": "expect_error", "args": {
+            "strategy": "bcp_ddp", "dirpath": f"{r}/p3-j", "resume_from": f"{r}/ddp_torch/epoch=1.ckpt"}},
     }
     (results,) = run(1, list(cases.values()), f"{r}/launch-3")
     return dict(zip(cases, results))
@@ -205,6 +212,14 @@ def test_bcp_tools_verify_and_export_a_lightning_checkpoint(root, two_processes)
     assert exported.keys() == {k[len("model/"):] for k in expected if k.startswith("model/")}
     for name, tensor in exported.items():
         assert torch.equal(tensor, expected[f"model/{name}"]), name
+
+
+def test_a_ddp_run_switches_to_bcp_from_its_torch_checkpoint(two_processes, back_to_one):
+    step = 2 * STEPS_PER_EPOCH[2]
+    resumed = back_to_one["torch_file_to_plugin"]
+    assert_resumed_from(resumed, two_processes["ddp_torch"][0]["saved"][step], step)
+    assert resumed["final"]["global_step"] == step + STEPS_PER_EPOCH[1]
+    assert "plugins=[BCPCheckpointIO()]" in back_to_one["torch_file_into_strategy"]
 
 
 def test_clear_errors_when_a_resume_cannot_work(back_to_one):
