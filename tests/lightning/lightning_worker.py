@@ -170,10 +170,10 @@ LAYOUTS = {"ddp": "replicated", "bcp_ddp": "replicated", "bcp_fsdp": "fsdp1", "b
 def fit(strategy: str, dirpath: str, epochs: int, resume_from: str | None = None, plugin: bool = False,
         async_save: bool = False,
         save_last: Any = True, top_k: int = -1, monitor: str = "val_loss",
-        extra_saves: tuple[tuple[str, bool], ...] = ()) -> dict[str, Any]:
+        extra_saves: tuple[tuple[Any, ...], ...] = ()) -> dict[str, Any]:
     """One ``Trainer.fit``; ``plugin`` adds BCPCheckpointIO (for Lightning's own strategies, or an
     asynchronous one with ``async_save``); after
-    it, ``Trainer.save_checkpoint(path, weights_only)`` for each of ``extra_saves``. Monitoring
+    it, ``Trainer.save_checkpoint(path, weights_only[, storage_options])`` for each of ``extra_saves``. Monitoring
     ``"step"`` (always improving) makes every epoch replace the worst of the top k."""
     recorder = Recorder(resumed=resume_from is not None)
     checkpointing = ModelCheckpoint(dirpath=dirpath, filename="{epoch}", monitor=monitor, save_top_k=top_k,
@@ -185,8 +185,8 @@ def fit(strategy: str, dirpath: str, epochs: int, resume_from: str | None = None
         callbacks=[recorder, checkpointing, EarlyStopping("val_loss", patience=100)])
     data = Data()
     trainer.fit(LitMLP(LAYOUTS[strategy]), datamodule=data, ckpt_path=resume_from)
-    for path, weights_only in extra_saves:
-        trainer.save_checkpoint(path, weights_only=weights_only)
+    for path, weights_only, *storage_options in extra_saves:
+        trainer.save_checkpoint(path, weights_only=weights_only, storage_options=next(iter(storage_options), None))
     return {"losses": recorder.losses, "lrs": recorder.lrs, "saved": recorder.saved, "saved_lrs": recorder.saved_lrs,
             "restored": recorder.restored, "final": {"global_step": trainer.global_step, "state": full_state(trainer)},
             "loaders_made": data.loaders_made,
@@ -203,7 +203,27 @@ def expect_error(strategy: str, dirpath: str, resume_from: str) -> str:
     return "no error"
 
 
-CASES = {"fit": fit, "expect_error": expect_error}
+def count_collectives(strategy: str, path: str) -> dict[str, Any]:
+    """After one epoch, the collectives on the training process group (the world; bcp plans over
+    its own group) while ``Trainer.save_checkpoint(path)`` runs and while the strategy loads that
+    checkpoint back; the whole state when saved."""
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=STRATEGIES[strategy](), max_epochs=1,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        enable_checkpointing=False)
+    trainer.fit(LitMLP(LAYOUTS[strategy]), datamodule=Data())
+    world = torch.distributed.group.WORLD
+    before = world._get_sequence_number_for_group()
+    trainer.save_checkpoint(path)
+    after_save = world._get_sequence_number_for_group()
+    saved = full_state(trainer)
+    after_snapshot = world._get_sequence_number_for_group()
+    trainer.strategy.load_checkpoint(path)
+    after_load = world._get_sequence_number_for_group()
+    return {"save": after_save - before, "load": after_load - after_snapshot, "saved": saved,
+            "global_step": trainer.global_step}
+
+
+CASES = {"fit": fit, "expect_error": expect_error, "count_collectives": count_collectives}
 
 
 def main() -> None:

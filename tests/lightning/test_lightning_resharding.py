@@ -28,6 +28,10 @@ def fit(strategy: str, dirpath: str, epochs: int, **args) -> dict:
     return {"case": "fit", "args": {"strategy": strategy, "dirpath": dirpath, "epochs": epochs, **args}}
 
 
+def count(strategy: str, path: str) -> dict:
+    return {"case": "count_collectives", "args": {"strategy": strategy, "path": path}}
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("lightning"))
@@ -48,15 +52,22 @@ def two_processes(root, one_process) -> dict:
         "ddp_plugin": fit("ddp", f"{r}/ddp_plugin", 4, plugin=True, save_last="link"),
         "ddp_plugin_resumed": fit("ddp", f"{r}/ddp_plugin_resumed", 4, plugin=True,
                                   resume_from=f"{r}/ddp_plugin/epoch=1.ckpt"),
-        # BCPDDPStrategy: the same, plus Trainer.save_checkpoint and top-k removal.
+        # BCPDDPStrategy: the same, plus Trainer.save_checkpoint (with storage_options) and top-k removal.
         "bcp_ddp": fit("bcp_ddp", f"{r}/bcp_ddp", 3, top_k=2, monitor="step",
-                       extra_saves=[[f"{r}/bcp_ddp/explicit.ckpt", False], [f"{r}/weights_only.ckpt", True]]),
+                       extra_saves=[[f"{r}/bcp_ddp/explicit.ckpt", False, {"verify_replicas": True, "io_threads": 1}],
+                                    [f"{r}/weights_only.ckpt", True]]),
+        # Lightning's DDPStrategy and its default TorchCheckpointIO: single-file checkpoints.
+        "ddp_torch": fit("ddp", f"{r}/ddp_torch", 2),
         "bcp_ddp_resumed": fit("bcp_ddp", f"{r}/bcp_ddp_resumed", 3, resume_from=f"{r}/bcp_ddp/epoch=1.ckpt"),
         # DDP -> ModelParallel (FSDP2) on two processes; this run's last checkpoint goes to one process.
         "ddp_to_fsdp2": fit("bcp_fsdp2", f"{r}/mp2", 4, resume_from=f"{r}/bcp_ddp/explicit.ckpt"),
         "ddp_to_tp": fit("bcp_tp", f"{r}/tp", 4, resume_from=f"{r}/bcp_ddp/explicit.ckpt"),
         "fsdp2_1_to_2": fit("bcp_fsdp2", f"{r}/mp1to2", 3, resume_from=f"{r}/mp1/last.ckpt"),
         "fsdp1": fit("bcp_fsdp", f"{r}/fsdp1", 2, top_k=1, monitor="step", async_save=True),
+        # Collectives of a save and a load: FSDP1's against DDP's (which has nothing to gather).
+        "fsdp1_collectives": count("bcp_fsdp", f"{r}/fsdp1_counted.ckpt"),
+        "ddp_collectives": count("bcp_ddp", f"{r}/ddp_counted.ckpt"),
+        "fsdp1_counted_resumed": fit("bcp_fsdp", f"{r}/fsdp1_resumed", 2, resume_from=f"{r}/fsdp1_counted.ckpt"),
     }
     results = run(2, list(cases.values()), f"{r}/launch-2")
     return {name: [rank[i] for rank in results] for i, name in enumerate(cases)}
@@ -77,6 +88,10 @@ def back_to_one(root, two_processes) -> dict:
             "strategy": "bcp_fsdp2", "dirpath": f"{r}/p3-f", "resume_from": f"{r}/ddp_plugin/epoch=1.ckpt"}},
         "weights_only_resume": {"case": "expect_error", "args": {
             "strategy": "bcp_ddp", "dirpath": f"{r}/p3-g", "resume_from": f"{r}/weights_only.ckpt"}},
+        # A run switches to bcp: the plugin resumes its TorchCheckpointIO file (2 -> 1); a strategy says how.
+        "torch_file_to_plugin": fit("single", f"{r}/p3-i", 3, plugin=True, resume_from=f"{r}/ddp_torch/epoch=1.ckpt"),
+        "torch_file_into_strategy": {"case": "expect_error", "args": {
+            "strategy": "bcp_ddp", "dirpath": f"{r}/p3-j", "resume_from": f"{r}/ddp_torch/epoch=1.ckpt"}},
     }
     (results,) = run(1, list(cases.values()), f"{r}/launch-3")
     return dict(zip(cases, results))
@@ -143,6 +158,17 @@ def test_fsdp1_two_to_one(two_processes, back_to_one):
     assert_resumed_from(back_to_one["fsdp1_2_to_1"], saved["saved"][step], step)
 
 
+def test_fsdp1_saves_and_loads_with_no_collective_but_bcps_planning(two_processes):
+    # On the training group, FSDP1's save and load take only what DDP's do: Lightning's broadcast
+    # of the path from rank 0 (two broadcasts) and, for the save, Trainer.save_checkpoint's barrier.
+    # torch's sharded state dict all-gathers parameters and exchanges optimizer state there.
+    for fsdp1, ddp in zip(two_processes["fsdp1_collectives"], two_processes["ddp_collectives"]):
+        assert (fsdp1["save"], fsdp1["load"]) == (ddp["save"], ddp["load"]) == (3, 2)
+    for saved, resumed in zip(two_processes["fsdp1_collectives"], two_processes["fsdp1_counted_resumed"]):
+        assert_resumed_from(resumed, saved["saved"], saved["global_step"])
+        assert resumed["final"]["global_step"] == 2 * STEPS_PER_EPOCH[2]
+
+
 def test_model_checkpoint_top_k_and_last(root, two_processes):
     for name, kept in [("bcp_ddp", ["epoch=1.ckpt", "epoch=2.ckpt", "explicit.ckpt"]), ("fsdp1", ["epoch=1.ckpt"])]:
         for rank in two_processes[name]:
@@ -186,6 +212,14 @@ def test_bcp_tools_verify_and_export_a_lightning_checkpoint(root, two_processes)
     assert exported.keys() == {k[len("model/"):] for k in expected if k.startswith("model/")}
     for name, tensor in exported.items():
         assert torch.equal(tensor, expected[f"model/{name}"]), name
+
+
+def test_a_ddp_run_switches_to_bcp_from_its_torch_checkpoint(two_processes, back_to_one):
+    step = 2 * STEPS_PER_EPOCH[2]
+    resumed = back_to_one["torch_file_to_plugin"]
+    assert_resumed_from(resumed, two_processes["ddp_torch"][0]["saved"][step], step)
+    assert resumed["final"]["global_step"] == step + STEPS_PER_EPOCH[1]
+    assert "plugins=[BCPCheckpointIO()]" in back_to_one["torch_file_into_strategy"]
 
 
 def test_clear_errors_when_a_resume_cannot_work(back_to_one):

@@ -9,11 +9,13 @@ test walks their imports).
   the options of save and load, and the process's runtime (plan cache, buffers, async lane);
 - where checkpoints live (``checkpoint_location(path, role)``: generations and their commit
   state) and the storage backend for a path or URL;
-- adapters: ``initialize_state`` gives a never-stepped optimizer its state before a load.
+- adapters: ``initialize_state`` gives a never-stepped optimizer its state before a load;
+  ``adapter_for`` finds the registered adapter for live objects, by name, as ``bcp.save`` does.
 """
 
 from __future__ import annotations
 
+from bcp.adapters import adapter_for
 from bcp.adapters.optimizer import initialize_state
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.location import resolve as checkpoint_location
@@ -40,5 +42,5 @@ __all__ = [
     # where checkpoints live: generations and their commit state; storage backends
     "checkpoint_location", "Storage", "storage_for",
     # adapters
-    "initialize_state",
+    "initialize_state", "adapter_for",
 ]

@@ -11,7 +11,7 @@ import lightning.fabric.plugins as _fabric_plugins
 import lightning.pytorch.strategies as _strategies
 
 from bcp_lightning.binding import bind as _bind
-from bcp_lightning.io import Options
+from bcp_lightning.options import Options
 
 BCPCheckpointIO, BCPDDPStrategy, BCPFSDPStrategy, BCPModelParallelStrategy = _bind(
     _fabric_plugins.CheckpointIO, _strategies, __name__)

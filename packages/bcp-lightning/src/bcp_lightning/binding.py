@@ -11,6 +11,7 @@ from types import ModuleType
 from typing import NamedTuple
 
 from bcp_lightning.io import CheckpointIOMixin
+from bcp_lightning.live_state import FSDP1_SHARDS
 from bcp_lightning.strategies import StrategyMixin
 
 
@@ -38,8 +39,8 @@ def bind(checkpoint_io_base: type, strategies: ModuleType, module: str) -> Bound
                  "Lightning's DDPStrategy, saving on every rank through bcp (replicated state written once).",
                  loads_index_keyed_optimizer_states=True),
         strategy("BCPFSDPStrategy", strategies.FSDPStrategy,
-                 "Lightning's FSDPStrategy (FSDP1), saving sharded checkpoints through bcp on every rank; "
-                 "``state_dict_type`` has no effect."),
+                 "Lightning's FSDPStrategy (FSDP1), saving each rank's flat-parameter shards through bcp, with "
+                 "no all-gather; ``state_dict_type`` has no effect.", live_state=FSDP1_SHARDS),
         strategy("BCPModelParallelStrategy", strategies.ModelParallelStrategy,
                  "Lightning's ModelParallelStrategy (FSDP2 and tensor parallelism), saving sharded checkpoints "
                  "through bcp on every rank; ``save_distributed_checkpoint`` has no effect."),

@@ -4,7 +4,7 @@ Lightning's dict holds the model's state dict under ``state_dict``, one state di
 under ``optimizer_states`` and everything else (epoch, global step, loops, callbacks, schedulers,
 precision plugin, datamodule, hyper-parameters, user additions) as plain values. In bcp they are:
 
-- ``model``: the state dict, resharding-ready (tensors, DTensors, FSDP1 shards);
+- ``model``: the state dict, resharding-ready (tensors, DTensors, FSDP1's ``bcp.FlatShard``s);
 - ``optimizer``: the optimizers' state keyed by parameter FQN, merged into one (no parameter is in
   two optimizers). Only FQN-keyed dicts can be resharded, and bcp_lightning's strategies give
   those; ``optimizer.state_dict()`` under Lightning's own single-device and DDP strategies is keyed
@@ -22,7 +22,6 @@ from typing import Any, Mapping
 import torch
 
 import bcp
-from bcp_lightning.values import as_bcp_value, is_sharded_tensor, tensor_description
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -75,7 +74,7 @@ def is_fqn_keyed(optimizer_states: Any) -> bool:
 
 def model_view(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """The state dict as bcp reads and fills it (same keys and tensors)."""
-    return {key: as_bcp_value(value) for key, value in state_dict.items()}
+    return dict(state_dict)
 
 
 def optimizer_view(optimizer_states: list[Mapping[str, Any]]) -> dict[str, Any]:
@@ -92,17 +91,15 @@ def optimizer_view(optimizer_states: list[Mapping[str, Any]]) -> dict[str, Any]:
                         f"parameter {fqn!r} is in optimizers {owner[fqn]} and {index}; bcp_lightning saves "
                         "optimizers whose parameters are disjoint")
         groups.extend(osd["param_groups"])
-        state.update({fqn: {k: as_bcp_value(v) for k, v in per_param.items()}
+        state.update({fqn: dict(per_param)
                       for fqn, per_param in osd["state"].items()})
     return {"state": state, "param_groups": groups}
 
 
 def write_back(state_dict: dict[str, Any], view: dict[str, Any]) -> None:
-    """After a load into ``view``: give ``state_dict`` the values bcp replaced (non-tensor entries).
-    Tensors were filled in place; ShardedTensors keep their (filled) local shards."""
-    for key, value in view.items():
-        if not is_sharded_tensor(state_dict[key]):
-            state_dict[key] = value
+    """After a load into ``view``: give ``state_dict`` the values bcp replaced (non-tensor entries;
+    tensors were filled in place, so they are the same objects)."""
+    state_dict.update(view)
 
 
 def write_back_optimizers(optimizer_states: list[dict[str, Any]], view: dict[str, Any]) -> None:
@@ -161,6 +158,15 @@ def _index_keyed(merged: Mapping[str, Any], groups_per_optimizer: list[int]) -> 
         state = {index[fqn]: per_param for fqn, per_param in merged["state"].items() if fqn in index}
         out.append({"state": state, "param_groups": groups})
     return out
+
+
+def tensor_description(value: Any) -> tuple[torch.dtype, list[int]] | None:
+    """dtype and global shape of a state-dict tensor value; None for other values."""
+    if isinstance(value, bcp.FlatShard):
+        return value.tensor.dtype, list(value.global_shape)
+    if isinstance(value, torch.Tensor):  # DTensors report their global shape
+        return value.dtype, list(value.shape)
+    return None
 
 
 def _empty(dtype: torch.dtype, shape: list[int]) -> torch.Tensor:

@@ -5,39 +5,24 @@ on every rank before the optimizers exist, with the checkpoint as a plain dict. 
 takes for single-device and DDP training, where every rank holds the whole state: the plugin saves
 rank 0's dict and every rank reads it back whole. Sharded training needs every rank and the live
 objects; bcp_lightning's strategies call ``save_on_ranks``/``load_into`` for that.
+
+Asynchronous saving is the plugin's own mode (``async_save=True``): the state is staged in host
+memory on the calling thread and committed in the background in call order, so removals and loads
+are ordered after the saves before them. Under Lightning's ``AsyncCheckpointIO`` wrapper the plugin
+saves on the wrapper's thread; a save counts as pending from the moment it starts, so a removal or a
+load on the training thread waits for it.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import bcp
 from bcp.integration import default_coordinator
-from bcp_lightning import convert, paths
-
-DEFAULT_IO_THREADS = 4
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Options:
-    """How the plugin calls ``bcp.save``/``bcp.load``."""
-
-    async_save: bool = False
-    """Return from a save once bcp has staged it in host memory; it commits in the background, in
-    call order. Pending saves are waited for before a load, before their path is removed, at
-    teardown and at exit."""
-    allow_pickle: bool = False
-    """Let values outside bcp's safe encoding (in callbacks' or hyper-parameters' state) be pickled,
-    and such checkpoints be loaded. Off: those values fail at save time, naming the entry."""
-    verify: bool = True
-    """Check every byte read against its checksum."""
-    verify_replicas: bool = False
-    """At save, check by checksum that tensors replicated across ranks are identical."""
-    io_threads: int = DEFAULT_IO_THREADS
-    """Threads per rank reading or writing data files."""
+from bcp_lightning import convert, options, paths, torch_files
+from bcp_lightning.options import DEFAULT_IO_THREADS, Options
+from bcp_lightning.pending import PendingSaves
 
 
 class CheckpointIOMixin:
@@ -47,30 +32,36 @@ class CheckpointIOMixin:
     checkpoint's model weights load into any layout (``bcp.load``, bcp_lightning's strategies).
     For resharding optimizer state and for FSDP or ModelParallel training, use bcp_lightning's
     strategies: Lightning's FSDPStrategy and ModelParallelStrategy bypass checkpoint plugins.
+
+    A single-file checkpoint written by Lightning's default ``TorchCheckpointIO`` loads too (with
+    ``torch.load(weights_only=True)``), so a run can switch to bcp when it resumes.
     """
 
     def __init__(self, *, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
                  verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS) -> None:
         super().__init__()
-        self.options = Options(async_save=async_save, allow_pickle=allow_pickle, verify=verify,
-                               verify_replicas=verify_replicas, io_threads=io_threads)
-        self._pending: dict[str, list[bcp.SaveHandle]] = {}
-        self._waits_at_exit = False
+        self.options = Options.of(async_save=async_save, allow_pickle=allow_pickle, verify=verify,
+                                  verify_replicas=verify_replicas, io_threads=io_threads)
+        self._pending = PendingSaves()
 
     # Lightning's CheckpointIO interface.
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Save Lightning's checkpoint dict from this rank alone (Lightning calls it on rank 0)."""
-        refuse_storage_options(storage_options)
-        self.save_on_ranks(checkpoint, path, bcp.SingleProcessCoordinator())
+        """Save Lightning's checkpoint dict from this rank alone (Lightning calls it on rank 0).
+        ``storage_options`` override this plugin's options for this save: see ``options.STORAGE_OPTION_TYPES``."""
+        self.save_on_ranks(checkpoint, path, bcp.SingleProcessCoordinator(), storage_options=storage_options)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's checkpoint dict, every tensor whole on the CPU (each calling rank reads it all)."""
+        """Lightning's checkpoint dict, every tensor whole on the CPU (each calling rank reads it all).
+        A single-file checkpoint of Lightning's ``TorchCheckpointIO`` is read with
+        ``torch.load(weights_only=True)`` whatever ``weights_only`` says."""
         if map_location is not None:
             raise TypeError("BCPCheckpointIO.load_checkpoint loads tensors on the CPU; map_location is not "
                             "supported, move the loaded tensors instead")
         location = self._before_load(path)
+        if paths.is_single_file(location):
+            return torch_files.load(location)
         single = bcp.SingleProcessCoordinator()
         rest, layout = self._read_metadata(location, single, weights_only)
         loaded = convert.templates(layout)
@@ -90,20 +81,23 @@ class CheckpointIOMixin:
 
     # What bcp_lightning's strategies call on every rank.
 
-    def save_on_ranks(self, checkpoint: Mapping[str, Any], path: Any,
-                      coordinator: bcp.Coordinator | None = None) -> None:
+    def save_on_ranks(self, checkpoint: Mapping[str, Any], path: Any, coordinator: bcp.Coordinator | None = None,
+                      *, storage_options: Any | None = None) -> None:
         """Save Lightning's checkpoint dict; every rank of ``coordinator`` (default: the world) calls
-        it with its own dict, whose state may be sharded (DTensors, ShardedTensors)."""
+        it with its own dict, whose state may be sharded (DTensors, FSDP1 shards)."""
         location = os.fspath(path)
+        opts = options.for_save(self.options.save, storage_options, location)
         coordinator = coordinator or default_coordinator()
-        if coordinator.rank == 0:
-            # Other ranks touch the path only after rank 0 has planned the save, so no barrier is needed.
-            paths.prepare_for_save(location)
-        opts = self.options
-        handle = bcp.save(location, convert.split(checkpoint), async_save=opts.async_save,
-                          coordinator=coordinator, allow_pickle=opts.allow_pickle,
-                          verify_replicas=opts.verify_replicas, io_threads=opts.io_threads)
-        self._track(location, handle)
+        pending = self._pending.start(location)
+        handle = None
+        try:
+            if coordinator.rank == 0:
+                # Other ranks touch the path only after rank 0 has planned the save, so no barrier is needed.
+                paths.prepare_for_save(location)
+            handle = bcp.save(location, convert.split(checkpoint), opts, coordinator=coordinator)
+        finally:
+            pending.returned(handle)
+        self._pending.reap()
 
     def load_into(self, path: Any, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]], *,
                   strict: bool = True, coordinator: bcp.Coordinator | None = None) -> dict[str, Any]:
@@ -112,6 +106,11 @@ class CheckpointIOMixin:
         their layout. Returns Lightning's other entries; it keeps index-keyed ``optimizer_states`` when
         the checkpoint has only those (saved under Lightning's own DDP strategy): the caller decides."""
         location = self._before_load(path)
+        if paths.is_single_file(location):
+            raise bcp.CheckpointNotFoundError(
+                "this is a single-file checkpoint of Lightning's TorchCheckpointIO, which bcp_lightning's strategies "
+                "do not load (they load sharded state in place); resume it once with Lightning's own strategy and "
+                "plugins=[BCPCheckpointIO()], which reads it, then save through bcp", path=location)
         coordinator = coordinator or default_coordinator()
         rest, layout = self._read_metadata(location, coordinator, None)
         state = {convert.MODEL: convert.model_view(model_state)}
@@ -130,26 +129,9 @@ class CheckpointIOMixin:
 
     def wait(self, path: str | None = None) -> None:
         """Block until pending saves (to ``path``, or all) are committed; raise the first failure."""
-        for location in [path] if path is not None else list(self._pending):
-            for handle in self._pending.pop(location, []):
-                handle.wait()
+        self._pending.wait(path)
 
     # Internals.
-
-    def _track(self, location: str, handle: bcp.SaveHandle) -> None:
-        # Finished saves are dropped here, so a failed one raises at the next save, not only at teardown.
-        for other in list(self._pending):
-            for done in [h for h in self._pending[other] if h.done()]:
-                self._pending[other].remove(done)
-                done.wait()
-            if not self._pending[other]:
-                del self._pending[other]
-        if handle.done():
-            return
-        self._pending.setdefault(location, []).append(handle)
-        if not self._waits_at_exit:
-            atexit.register(self.wait)
-            self._waits_at_exit = True
 
     def _before_load(self, path: Any) -> str:
         self.wait()
@@ -171,13 +153,6 @@ class CheckpointIOMixin:
 
     def _load(self, location: str, state: dict[str, Any], coordinator: bcp.Coordinator, *, strict: bool,
               weights_only: bool | None) -> bcp.LoadResult:
-        opts = self.options
-        return bcp.load(location, state, strict=strict, coordinator=coordinator,
-                        allow_pickle=opts.allow_pickle and weights_only is not True,
-                        verify=opts.verify, io_threads=opts.io_threads)
-
-
-def refuse_storage_options(storage_options: Any | None) -> None:
-    if storage_options is not None:
-        raise TypeError("bcp_lightning does not take storage_options; configure saving on BCPCheckpointIO(...) "
-                        "and pass remote storage as the checkpoint path")
+        opts = self.options.load
+        return bcp.load(location, state, opts, strict=strict, coordinator=coordinator,
+                        allow_pickle=opts.allow_pickle and weights_only is not True)

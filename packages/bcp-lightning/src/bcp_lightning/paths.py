@@ -1,5 +1,6 @@
 """The paths Lightning hands to a checkpoint plugin: what saving over one replaces, how one is
-removed, and clear errors for checkpoints in Lightning's or torch's own formats.
+removed, which are Lightning's own single-file checkpoints, and clear errors for checkpoints in
+Lightning's sharded format.
 
 A bcp checkpoint is a directory. Lightning rewrites ``last.ckpt`` at the same path (bcp makes a new
 generation there) and, with ``ModelCheckpoint(save_last="link")``, makes it a symbolic link to
@@ -56,15 +57,17 @@ def remove(path: str) -> None:
         shutil.rmtree(local)
 
 
+def is_single_file(path: str) -> bool:
+    """Whether ``path`` is a single-file checkpoint (Lightning's ``TorchCheckpointIO`` writes those)."""
+    local = local_path(path)
+    return local is not None and os.path.isfile(local)
+
+
 def check_loadable(path: str) -> None:
-    """Refuse, with the way out, checkpoints bcp cannot read: single files and Lightning's format."""
+    """Refuse, with the way out, checkpoints in Lightning's sharded format."""
     local = local_path(path)
     if local is None:
         return
-    if os.path.isfile(local):
-        raise bcp.CheckpointNotFoundError(
-            "this is a single file (a torch.save checkpoint), not a bcp checkpoint directory; load it "
-            "with Lightning's default TorchCheckpointIO, then save it again through bcp", path=path)
     if is_lightning_sharded(local):
         raise bcp.CheckpointNotFoundError(
             f"this is a checkpoint in Lightning's own sharded format ({LIGHTNING_SHARDED_MARKER}); load it with "

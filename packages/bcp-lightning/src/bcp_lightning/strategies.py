@@ -2,9 +2,9 @@
 
 Lightning's DDPStrategy calls its checkpoint plugin on rank 0 only, and FSDPStrategy and
 ModelParallelStrategy bypass it for torch.distributed.checkpoint. Mixed into them, ``StrategyMixin``
-saves and loads on every rank with the live model and optimizers, as torch's sharded, FQN-keyed
-state dicts (``torch.distributed.checkpoint.state_dict``): plain tensors under DDP, DTensors under
-FSDP2 and tensor parallelism, ShardedTensors under FSDP1. bcp writes replicated state once and
+saves and loads on every rank with the live model and optimizers, as FQN-keyed state dicts whose
+tensors alias the live ones (see ``live_state``): plain tensors under DDP, DTensors under FSDP2 and
+tensor parallelism, flat-parameter shards under FSDP1. bcp writes replicated state once and
 reshards on load, so a checkpoint resumes on any world size and with any of these strategies.
 
 As with Lightning's sharded strategies, the checkpoint is restored after the strategy's setup (the
@@ -18,17 +18,11 @@ import os
 from typing import Any, Mapping
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 import bcp
 from bcp_lightning import convert
-from bcp_lightning.io import CheckpointIOMixin, refuse_storage_options
+from bcp_lightning.io import CheckpointIOMixin
+from bcp_lightning.live_state import TORCH_STATE_DICTS, LiveState
 
 
 class StrategyMixin:
@@ -39,6 +33,8 @@ class StrategyMixin:
     #: Whether index-keyed optimizer states (saved under Lightning's own DDP strategy) can be loaded:
     #: only where every rank holds whole parameters.
     loads_index_keyed_optimizer_states: bool = False
+    #: How the live model and optimizers are read and given loaded state.
+    live_state: LiveState = TORCH_STATE_DICTS
 
     @property
     def checkpoint_io(self) -> CheckpointIOMixin:
@@ -62,31 +58,30 @@ class StrategyMixin:
         return False
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return self.live_state.model(self.model)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, _unwrap(optimizer))
+        return self.live_state.optimizer(self.model, _unwrap(optimizer), for_load=False)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Every rank saves its part; the path is rank 0's."""
-        refuse_storage_options(storage_options)
+        """Every rank saves its part; the path is rank 0's. ``storage_options`` as for ``BCPCheckpointIO``."""
         path = self.broadcast(os.fspath(filepath))
-        self.checkpoint_io.save_on_ranks(checkpoint, path)
+        self.checkpoint_io.save_on_ranks(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the model, and the optimizers when fitting, in place; return Lightning's other entries."""
         path = self.broadcast(os.fspath(checkpoint_path))
         strict = self.lightning_module.strict_loading
         optimizers = [_unwrap(o) for o in self.optimizers] if self.lightning_module.trainer.state.fn == "fit" else []
-        model_state = get_model_state_dict(self.model)
-        optimizer_states = [get_optimizer_state_dict(self.model, o) for o in optimizers]
+        model_state = self.live_state.model(self.model)
+        optimizer_states = [self.live_state.optimizer(self.model, o, for_load=True) for o in optimizers]
         checkpoint = self.checkpoint_io.load_into(path, model_state, optimizer_states, strict=strict)
-        set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=strict))
+        self.live_state.load_model(self.model, model_state, strict=strict)
         if optimizers and convert.OPTIMIZER_STATES in checkpoint:
             self._load_index_keyed_optimizer_states(checkpoint, path)
         else:
             for optimizer, state in zip(optimizers, optimizer_states):
-                set_optimizer_state_dict(self.model, optimizer, state)
+                self.live_state.load_optimizer(self.model, optimizer, state)
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

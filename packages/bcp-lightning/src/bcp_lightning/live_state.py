@@ -1,0 +1,95 @@
+"""How a strategy reads its live model and optimizers as FQN-keyed state dicts whose tensors alias
+the live memory, and gives loaded ones back.
+
+- ``TORCH_STATE_DICTS``: torch's ``torch.distributed.checkpoint.state_dict``: plain tensors under
+  DDP, DTensors under FSDP2 and tensor parallelism.
+- ``FSDP1_SHARDS``: under FSDP1, torch's sharded state dict all-gathers each unit's parameters (and
+  its optimizer state dict exchanges more); the core's FSDP1 adapter, the one ``bcp.save`` uses for
+  ``framework="fsdp"``, describes each rank's flat-parameter shard as it is (``bcp.FlatShard``s)
+  with no collective. bcp's planning is then the save's only exchange.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from bcp.integration import adapter_for
+
+
+class LiveState(Protocol):
+    def model(self, model: torch.nn.Module) -> dict[str, Any]:
+        """The model's state dict by FQN."""
+
+    def optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, for_load: bool) -> dict[str, Any]:
+        """The optimizer's state dict, keyed by parameter FQN; with ``for_load``, missing state is created."""
+
+    def load_model(self, model: torch.nn.Module, state: dict[str, Any], *, strict: bool) -> None:
+        """Give the model a state dict from ``model`` whose tensors were filled in place."""
+
+    def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Give the optimizer a state dict from ``optimizer`` whose tensors were filled in place."""
+
+
+class TorchStateDicts:
+    def model(self, model: torch.nn.Module) -> dict[str, Any]:
+        return get_model_state_dict(model)
+
+    def optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, for_load: bool) -> dict[str, Any]:
+        return get_optimizer_state_dict(model, optimizer)  # creates missing state itself
+
+    def load_model(self, model: torch.nn.Module, state: dict[str, Any], *, strict: bool) -> None:
+        set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
+
+    def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(model, optimizer, state)
+
+
+class FSDP1Shards:
+    def model(self, model: torch.nn.Module) -> dict[str, Any]:
+        return _fsdp1(model).model_state(model)
+
+    def optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, for_load: bool) -> dict[str, Any]:
+        return _nested(_fsdp1(model).optimizer_state(model, optimizer, for_load=for_load))
+
+    def load_model(self, model: torch.nn.Module, state: dict[str, Any], *, strict: bool) -> None:
+        """Nothing to do: the flat shards alias the flat parameters, buffers are the live ones."""
+
+    def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        _fsdp1(model).load_optimizer_state(model, optimizer, _flat(state))
+
+
+TORCH_STATE_DICTS: LiveState = TorchStateDicts()
+FSDP1_SHARDS: LiveState = FSDP1Shards()
+
+# The core's adapters name optimizer values "state/<param fqn>/<key>" and "param_groups"; torch's
+# FQN-keyed optimizer state dicts nest them: {"state": {fqn: {key: value}}, "param_groups": [...]}.
+_STATE = "state/"
+_PARAM_GROUPS = "param_groups"
+
+
+def _fsdp1(model: torch.nn.Module) -> Any:
+    return adapter_for({"model": model}, "fsdp")
+
+
+def _nested(values: dict[str, Any]) -> dict[str, Any]:
+    state: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        if name.startswith(_STATE):
+            fqn, key = name[len(_STATE):].rsplit("/", 1)
+            state.setdefault(fqn, {})[key] = value
+    return {"state": state, "param_groups": values[_PARAM_GROUPS]}
+
+
+def _flat(osd: dict[str, Any]) -> dict[str, Any]:
+    values = {f"{_STATE}{fqn}/{key}": value for fqn, per_param in osd["state"].items() for key, value in per_param.items()}
+    values[_PARAM_GROUPS] = osd["param_groups"]
+    return values

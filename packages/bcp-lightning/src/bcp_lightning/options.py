@@ -1,0 +1,60 @@
+"""How ``BCPCheckpointIO`` calls ``bcp.save``/``bcp.load``, and the per-save overrides Lightning's
+``storage_options`` may carry (the one place they are translated: storage backends for URLs will
+add their keys here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import bcp
+
+DEFAULT_IO_THREADS = bcp.SaveOptions().io_threads
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Options:
+    """How the plugin calls ``bcp.save``/``bcp.load``: bcp's own options, one object per direction."""
+
+    save: bcp.SaveOptions
+    load: bcp.LoadOptions
+
+    @staticmethod
+    def of(*, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
+           verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS) -> "Options":
+        """``async_save``: return from a save once bcp has staged it in host memory (it commits in
+        the background, in call order; pending saves are waited for before a load, before their path
+        is removed, at teardown and at exit). ``allow_pickle``: let values outside bcp's safe
+        encoding (callbacks' or hyper-parameters' state) be pickled, and such checkpoints loaded.
+        The others as in ``bcp.SaveOptions``/``bcp.LoadOptions``."""
+        return Options(save=bcp.SaveOptions(async_save=async_save, allow_pickle=allow_pickle,
+                                            verify_replicas=verify_replicas, io_threads=io_threads),
+                       load=bcp.LoadOptions(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads))
+
+
+#: The ``storage_options`` keys a save honours, with the type each value must have. They override
+#: the plugin's options for that one save.
+STORAGE_OPTION_TYPES: dict[str, type] = {
+    "async_save": bool, "allow_pickle": bool, "verify_replicas": bool, "io_threads": int,
+}
+
+
+def for_save(options: bcp.SaveOptions, storage_options: Any | None, path: str) -> bcp.SaveOptions:
+    """``options`` with the overrides of ``Trainer.save_checkpoint(..., storage_options=...)``; a
+    key bcp does not understand, or a value of the wrong type, is an error naming it."""
+    if storage_options is None:
+        return options
+    if not isinstance(storage_options, Mapping):
+        raise bcp.CheckpointError(f"storage_options must be a dict, got {type(storage_options).__name__}", path=path)
+    for key, value in storage_options.items():
+        expected = STORAGE_OPTION_TYPES.get(key)
+        if expected is None:
+            raise bcp.CheckpointError(
+                f"storage_options key {key!r} is not understood; bcp_lightning honours "
+                f"{sorted(STORAGE_OPTION_TYPES)}", path=path, key=str(key))
+        # bool is an int: io_threads=True is refused as well.
+        if type(value) is not expected or (expected is int and value < 1):
+            raise bcp.CheckpointError(
+                f"storage_options[{key!r}] must be {'a positive int' if expected is int else 'a bool'}, "
+                f"got {value!r}", path=path, key=key)
+    return options.merged(storage_options)
