@@ -142,3 +142,52 @@ def test_a_strict_load_names_what_no_stage_wants(tmp_path):
     bcp.save(str(tmp_path), {"model": model})
     with pytest.raises(bcp.MismatchError, match="wanted by no rank: model/layers.2.bias"):
         bcp.load(str(tmp_path), {"model": stage(1, 0, 2)})
+
+
+def pipelining_stage(seed: int):
+    """This rank's stage of ``torch.distributed.pipelining.pipeline()``'s split of the full model
+    (stage modules keep the model's FQNs), with its own AdamW."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    class Full(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = full_model(seed).layers
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return forward(self, x)
+
+    pipe = pipeline(Full(), mb_args=(torch.randn(5, WIDTH),), split_spec={"layers.2": SplitPoint.BEGINNING})
+    module = pipe.get_stage_module(rank())
+    return pipe, module, torch.optim.AdamW(module.parameters(), lr=1e-2)
+
+
+def pipelining_save_train_and_reload(path: str) -> dict:
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    pipe, module, optimizer = pipelining_stage(4)
+    stage_ = pipe.build_stage(rank(), torch.device("cpu"))
+    schedule = ScheduleGPipe(stage_, n_microbatches=1, loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, target = torch.randn(5, WIDTH, generator=g), torch.randn(5, WIDTH, generator=g)
+        if rank() == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=target)
+        optimizer.step()
+        optimizer.zero_grad()
+    bcp.save(path, {"model": module, "optimizer": optimizer})
+    saved = state_of(module, optimizer)
+    _, fresh, fresh_opt = pipelining_stage(8)
+    bcp.load(path, {"model": fresh, "optimizer": fresh_opt}, strict=True)
+    return {"saved": saved, "same": _equal(state_of(fresh, fresh_opt), saved)}
+
+
+def test_torch_pipelining_stages_save_and_load_into_the_stages_and_one_process(ranks, tmp_path):
+    out = ranks(2).run(pipelining_save_train_and_reload, str(tmp_path))
+    assert all(result["same"] for result in out)
+    model = full_model(5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    bcp.load(str(tmp_path), {"model": model, "optimizer": optimizer})
+    assert _equal(state_of(model, optimizer), {**out[0]["saved"], **out[1]["saved"]})
