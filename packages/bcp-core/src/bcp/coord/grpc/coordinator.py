@@ -47,6 +47,7 @@ class GrpcCoordinator:
     ``LOCAL_WORLD_SIZE``, else 1); their leaders form a tree of ``fan_out`` children each. Servers
     listen on ``host`` (default: the local address on the route to the store, loopback for a local
     store), never on every interface unless told. ``timeout`` (seconds) bounds every exchange.
+    ``address`` is where this rank's server listens ("" on a rank without children, which runs none).
     """
 
     def __init__(self, *, store: Any = None, rank: int | None = None, world_size: int | None = None,
@@ -77,8 +78,9 @@ class GrpcCoordinator:
         self._wait_s = timeout * self.tree.height(self.rank) / (self.tree.height(0) + 1)
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
-        self._server, address = self._serve(meeting.bind_host, options, tls) if self._inbox.children else (None, "")
-        publish(scoped, self.rank, Peer(socket.gethostname(), address))
+        self._server, self.address = (self._serve(meeting.bind_host, options, tls) if self._inbox.children
+                                      else (None, ""))
+        publish(scoped, self.rank, Peer(socket.gethostname(), self.address))
         parent = self.tree.parents[self.rank]
         self._peers = look_up(scoped, self._inbox.children + ([parent] if parent >= 0 else []), timeout)
         self._channel = self._stub = None

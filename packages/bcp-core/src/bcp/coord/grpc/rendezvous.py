@@ -41,7 +41,7 @@ class Meeting:
     bind_host: str
 
     def scoped(self, namespace: str) -> Any:
-        return dist.PrefixStore(f"bcp/grpc/{namespace}/", self.store)
+        return dist.PrefixStore(f"bcp/grpc/{namespace}", self.store)
 
 
 def meet(store: Any, rank: int | None, world_size: int | None, host: str | None, timeout: float) -> Meeting:
