@@ -166,6 +166,9 @@ class GrpcCoordinator:
             up = tree_pb2.Up(exchange=exchange, op=op, sender=self.rank, parts=[] if failures else parts,
                              failures=failures)
             down = self._ask_parent(up, phase, start + self.timeout)
+            if not down.failures and not self._complete(op, down):
+                down = tree_pb2.Down(exchange=exchange, failures=[self._failure(
+                    self.tree.parents[self.rank], phase, "replied without this rank's share")])
         elif failures:
             down = tree_pb2.Down(exchange=exchange, failures=failures)
         else:
@@ -206,6 +209,14 @@ class GrpcCoordinator:
             else:
                 why = f"could not be reached ({exc.code().name}: {exc.details()})"
             return tree_pb2.Down(exchange=up.exchange, failures=[self._failure(parent, phase, why)])
+
+    def _complete(self, op: int, down: tree_pb2.Down) -> bool:
+        """Whether a reply holds what this rank takes from it."""
+        if op == tree_pb2.ALL_GATHER:
+            return len(down.parts) == self.world_size
+        if op == tree_pb2.SCATTER:
+            return any(p.rank == self.rank for p in down.parts)
+        return len(down.parts) == (1 if op == tree_pb2.BROADCAST else 0)
 
     def _replies(self, op: int, down: tree_pb2.Down) -> dict[int, tree_pb2.Down]:
         """Each child's share of ``down``: in a scatter, the parts of its subtree; else all of it."""

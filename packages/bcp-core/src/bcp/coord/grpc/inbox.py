@@ -57,8 +57,9 @@ class Inbox:
             return f"the parts are not those of rank {up.sender}'s subtree"
         return None
 
-    def deliver(self, up: tree_pb2.Up, wait_s: float) -> tree_pb2.Down:
-        """Keep a child's contribution; return its reply once the node has it (or its failures)."""
+    def deliver(self, up: tree_pb2.Up, wait_s: float) -> tree_pb2.Down | None:
+        """Keep a child's contribution; return its reply once the node has it, its failures, or
+        None when ``wait_s`` passed first."""
         with self._cond:
             if self._failures or up.exchange <= self._replied:
                 return tree_pb2.Down(exchange=up.exchange, failures=self._failures or [self._late(up)])
@@ -70,9 +71,9 @@ class Inbox:
             self.received.parts += len(up.parts)
             self._cond.notify_all()
             self._cond.wait_for(lambda: slot.replies is not None or bool(self._failures), timeout=wait_s)
-            if slot.replies is None:  # the caller's deadline passed, or the node failed
+            if self._failures:
                 return tree_pb2.Down(exchange=up.exchange, failures=self._failures)
-            return slot.replies[up.sender]
+            return slot.replies[up.sender] if slot.replies is not None else None
 
     def collect(self, exchange: int, deadline: float) -> dict[int, tree_pb2.Up]:
         """The children's contributions to ``exchange`` that arrived before ``deadline`` (monotonic)."""
@@ -112,9 +113,13 @@ class TreeServicer:
         problem = self._inbox.problem_with(request) if remaining is not None else "the call has no deadline"
         if problem is None:
             try:
-                return self._inbox.deliver(request, wait_s=remaining)
+                reply = self._inbox.deliver(request, wait_s=remaining)
             except ValueError as exc:
                 problem = str(exc)
+            else:
+                if reply is None:  # this node is stuck: the caller names it
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"rank {self._inbox.rank} has no reply yet")
+                return reply
         log.warning("bcp coordinator (rank %d) refused a malformed call from %s: %s",
                     self._inbox.rank, context.peer(), problem)
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
