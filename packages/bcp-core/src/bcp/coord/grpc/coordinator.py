@@ -32,7 +32,8 @@ from bcp.errors import DistributedError
 
 DEFAULT_TIMEOUT_S = 600.0  # as the torch.distributed coordinator's default
 DEFAULT_FAN_OUT = 8
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 30  # one message carries a subtree's plans: room for thousands of ranks
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+CLOSE_GRACE_S = 5.0  # one message carries a subtree's plans: room for thousands of ranks
 _OP_NAMES = {tree_pb2.ALL_GATHER: "all_gather", tree_pb2.GATHER: "gather", tree_pb2.SCATTER: "scatter",
              tree_pb2.BROADCAST: "broadcast"}
 _made: dict[str, itertools.count] = {}  # coordinators this process made per channel: their store namespace
@@ -136,7 +137,9 @@ class GrpcCoordinator:
             self._failures = self._failures or [tree_pb2.Failure(rank=self.rank, message="closed")]
             self._inbox.fail(self._failures)
             if self._server is not None:
-                self._server.stop(grace=None)
+                # Calls still in flight hold replies (the last exchange's, or the failure just set):
+                # let them go out before the connections close.
+                self._server.stop(grace=CLOSE_GRACE_S).wait()
                 self._server = None
             if self._channel is not None:
                 self._channel.close()

@@ -71,9 +71,9 @@ class Inbox:
             self.received.parts += len(up.parts)
             self._cond.notify_all()
             self._cond.wait_for(lambda: slot.replies is not None or bool(self._failures), timeout=wait_s)
-            if self._failures:
-                return tree_pb2.Down(exchange=up.exchange, failures=self._failures)
-            return slot.replies[up.sender] if slot.replies is not None else None
+            if slot.replies is not None:  # even if the node failed or closed since: this exchange is done
+                return slot.replies[up.sender]
+            return tree_pb2.Down(exchange=up.exchange, failures=self._failures) if self._failures else None
 
     def collect(self, exchange: int, deadline: float) -> dict[int, tree_pb2.Up]:
         """The children's contributions to ``exchange`` that arrived before ``deadline`` (monotonic)."""
