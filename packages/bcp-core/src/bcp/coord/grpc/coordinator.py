@@ -18,8 +18,9 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
@@ -60,7 +61,7 @@ class GrpcCoordinator:
         self.rank, self.world_size, self.timeout = meeting.rank, meeting.world_size, timeout
         self.channel = channel
         self.namespace = namespace or f"{channel}/{next(_made.setdefault(channel, itertools.count()))}"
-        self.tree = Tree.build(self.world_size, ranks_per_machine or int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        self.tree = Tree.build(self.world_size, ranks_per_machine or int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                fan_out)
         self._settings = dict(store=meeting.store, rank=self.rank, world_size=self.world_size, timeout=timeout,
                               fan_out=fan_out, ranks_per_machine=ranks_per_machine, host=meeting.bind_host,

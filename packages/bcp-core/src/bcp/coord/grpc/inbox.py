@@ -108,7 +108,7 @@ class TreeServicer:
     def __init__(self, inbox: Inbox) -> None:
         self._inbox = inbox
 
-    def Exchange(self, request: tree_pb2.Up, context: grpc.ServicerContext) -> tree_pb2.Down:  # noqa: N802
+    def Exchange(self, request: tree_pb2.Up, context: grpc.ServicerContext) -> tree_pb2.Down:
         remaining = context.time_remaining()
         problem = self._inbox.problem_with(request) if remaining is not None else "the call has no deadline"
         if problem is None:

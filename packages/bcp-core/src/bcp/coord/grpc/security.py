@@ -8,8 +8,9 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
