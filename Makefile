@@ -1,7 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Both set up .venv on first use.
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-quick bench bench-full clean
+.PHONY: setup demo test test-quick bench bench-full proto clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -22,6 +22,10 @@ bench: setup
 
 bench-full: setup
 	$(PY) benchmarks/run.py --full
+
+# The gRPC coordinator's Python stubs, regenerated from its .proto (committed; rerun after editing it).
+proto: setup
+	PYTHON=$(PY) packages/bcp-core/src/bcp/coord/grpc/generate.sh
 
 clean:
 	rm -rf .venv

@@ -8,9 +8,11 @@ unpack + global plan (dedup, worst-fit, coverage) + manifest assembly (every ran
 writes unpacked and turned into the shard table) + manifest JSON, with the garbage collector paused
 as in ``bcp.save``; the coordinator's plan phase on a cache hit (its structure comparison and the
 agreement on reuse, every rank's flag gathered and answered); and the manifest's parse at load time. The same plans are then given to DCP's planner for comparison
-(``--dcp``), as DCP would receive them; and a manifest of a million shards is loaded.
+(``--dcp``), as DCP would receive them; and a manifest of a million shards is loaded. With
+``--grpc-nodes N``, the gRPC coordinator's planning exchange is measured on N real nodes and
+extrapolated to 512, 2,048 and 8,960 ranks (``grpc_tree_costs.py`` says exactly how).
 
-    .venv/bin/python benchmarks/planning_scale.py [--dp 70] [--dcp] [--json out.json]
+    .venv/bin/python benchmarks/planning_scale.py [--dp 70] [--dcp] [--grpc-nodes 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -200,6 +202,30 @@ def cached_replan(plan: LocalPlan, world: int) -> float:
     return elapsed
 
 
+def grpc_planning(tp: int, pp: int, nodes: int) -> dict:
+    """The gRPC coordinator's first planning at 512, 2,048 and 8,960 ranks: the tree's exchange
+    (modelled from costs measured on ``nodes`` real nodes) around the root's own planning (measured)."""
+    from grpc_tree_costs import at_scale, measure
+
+    costs = measure(nodes)
+    rows = []
+    for world in (512, 2048, 8960):
+        dp = world // (tp * pp)
+        wire = [Outcome(local_plan(r % tp, tp, (r // tp) % pp, pp, r // (tp * pp), dp)).packed(r)
+                for r in range(world)]
+        with paused_gc():
+            t0 = time.perf_counter()
+            plans = [unpack(w)[1] for w in wire]
+            replies = global_plan(PlanColumns(plans))
+            planned = time.perf_counter() - t0
+        down = [len(pack([True, reply])) for reply in replies]
+        row = at_scale(world, [len(w) for w in wire], down, costs["_a"], costs["_b"])
+        row["root_plan_s"] = round(planned, 2)
+        row["total_s"] = round(row["gather_s"] + planned + row["scatter_s"], 2)
+        rows.append(row)
+    return {k: v for k, v in costs.items() if not k.startswith("_")} | {"grpc_at_scale": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=8)
@@ -207,6 +233,8 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=70)
     parser.add_argument("--json", help="write the figures to this file")
     parser.add_argument("--dcp", action="store_true", help="also time DCP's planner on the same pieces")
+    parser.add_argument("--grpc-nodes", type=int, default=0,
+                        help="also model the gRPC coordinator's exchange from this many real nodes")
     parser.add_argument("--manifest-shards", type=int, default=1_000_000,
                         help="also time loading a manifest of this many shards")
     args = parser.parse_args()
@@ -252,6 +280,8 @@ def main() -> None:
     if args.dcp:
         figures.update(dcp_planning(plans))
         figures["dcp_over_bcp"] = round(figures["dcp_global_plan_s"] / figures["coordinator_total_s"], 1)
+    if args.grpc_nodes:
+        figures.update(grpc_planning(args.tp, args.pp, args.grpc_nodes))
     figures.update(parse_at(args.manifest_shards))
     print(json.dumps(figures, indent=1))
     if args.json:
