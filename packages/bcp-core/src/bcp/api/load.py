@@ -21,7 +21,7 @@ from bcp.api.gc_pause import paused_gc
 from bcp.api.names import NameMatch, listing, match_names, unexpected_across_ranks
 from bcp.api.options import LoadOptions
 from bcp.api.results import LoadResult, PhaseStats
-from bcp.coord import Coordinator, default_coordinator
+from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
 from bcp.engine.redistribute import read_and_share
 from bcp.errors import MismatchError
@@ -48,7 +48,7 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
     """
     options = (options or LoadOptions()).merged(keywords)
     check_keys(state)
-    coord = options.coordinator or default_coordinator()
+    coord = as_coordinator(options.coordinator)
     stats = PhaseStats()
     with stats.phase("metadata"):
         checkpoint = open_checkpoint(path, role=options.role, verify=options.verify, io_threads=options.io_threads,

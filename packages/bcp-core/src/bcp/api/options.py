@@ -23,8 +23,9 @@ class _CommonOptions:
     """Adapter to use for ``model``/``optimizer`` (default: detected from the objects)."""
     role: str | None = None
     """A name under the path (``<path>/<role>/``), for checkpoints saved side by side."""
-    coordinator: Coordinator | None = None
-    """How ranks exchange plans (default: the world's process group, or a single process)."""
+    coordinator: Coordinator | str | None = None
+    """How ranks exchange plans: a Coordinator, or a name (``"torch"``, ``"grpc"``); default: the
+    ``BCP_COORDINATOR`` variable's, else the world's process group, or a single process."""
     allow_pickle: bool = False
     """Saving: pickle values outside the safe encoding (the checkpoint is then marked unsafe).
     Loading: allow values that were saved so (never needed for bcp's safe encoding)."""

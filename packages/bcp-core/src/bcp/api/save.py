@@ -20,7 +20,7 @@ from bcp.api.options import SaveOptions
 from bcp.api.results import PhaseStats, SaveHandle
 from bcp.api.runtime import Runtime, runtime
 from bcp.api.writing import write_generation
-from bcp.coord import Coordinator, default_coordinator
+from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import crc_of
@@ -56,7 +56,7 @@ def save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options:
     options = (options or SaveOptions()).merged(keywords)
     check_keys(state)
     with paused_gc():
-        return _save(path, state, options, options.coordinator or default_coordinator(), runtime())
+        return _save(path, state, options, as_coordinator(options.coordinator), runtime())
 
 
 def wait_pending_saves() -> None:

@@ -110,6 +110,10 @@ class GrpcCoordinator:
     def cache_key(self) -> object:
         return ("grpc", self.namespace, self.rank, self.world_size)
 
+
+    def process_group(self) -> None:
+        """No torch.distributed group: ``load(read_once=True)`` reads without sharing."""
+        return None
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         down = self._exchange(tree_pb2.ALL_GATHER, data, _in_rank_order)
         return [p.data for p in down]
