@@ -1,0 +1,36 @@
+"""Object-store names: keys under a prefix, the children of a prefix, and scattering fetched bytes
+into the caller's buffers. Shared by the backends that have no directories (memory, S3)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+def join_key(prefix: str, name: str) -> str:
+    """``prefix/name`` with no empty parts (either may be ``""``)."""
+    return "/".join(part for part in (prefix.strip("/"), name.strip("/")) if part)
+
+
+def is_under(key: str, prefix: str) -> bool:
+    """Whether ``key`` lies strictly below the "directory" ``prefix`` (everything is below ``""``)."""
+    return key.startswith(f"{prefix}/") if prefix else bool(key)
+
+
+def child_names(keys: Iterable[str], prefix: str) -> list[str]:
+    """The immediate children of ``prefix`` among ``keys``: file names and sub-prefix names, sorted."""
+    start = len(prefix) + 1 if prefix else 0
+    return sorted({key[start:].split("/", 1)[0] for key in keys if is_under(key, prefix)})
+
+
+def flat_bytes(view: memoryview) -> memoryview:
+    """``view`` as one-dimensional unsigned bytes (a tensor's view may have another format or shape)."""
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def scatter(data: memoryview, dests: Sequence[memoryview]) -> None:
+    """Copy consecutive bytes of ``data`` into ``dests`` one after the other."""
+    offset = 0
+    for dest in dests:
+        flat = flat_bytes(dest)
+        flat[:] = data[offset:offset + flat.nbytes]
+        offset += flat.nbytes
