@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from bcp.storage.names import child_names, is_under, join_key, scatter
+from bcp.storage.names import child_names, join_key, scatter
 from bcp.storage.retry import RetryingStorage, RetryPolicy
 
 PART_BYTES = 16 << 20
@@ -177,8 +177,14 @@ class S3Objects:
     def delete_tree(self, prefix: str) -> None:
         key = self._key(prefix)
         with self._request(prefix):
-            doomed = [k for k in self._list(key) if is_under(k, key)] + ([key] if key else [])
-            self._ob.delete(self._store, doomed)  # deleting an absent key is not an error on S3
+            objects = self._list(key) + ([key] if key else [])
+            self._ob.delete(self._store, objects)  # deleting an absent key is not an error on S3
+            # Filer-backed stores (SeaweedFS) keep a "directory" entry ``dir/`` that outlives its
+            # objects and would still be listed; plain S3 has none, and deleting absent keys is free.
+            folders = {f"{k[:i]}/" for k in objects for i in range(len(key), len(k)) if k[i] == "/"}
+            if key:
+                folders.add(f"{key}/")
+            self._ob.delete(self._store, sorted(folders, key=len, reverse=True))
 
     def _list(self, key: str, limit_one: bool = False) -> list[str]:
         found: list[str] = []
