@@ -81,9 +81,9 @@ def start(directory: str, timeout_s: float = 60.0) -> S3Server:
 
 def _wait_ready(server: S3Server, directory: str, timeout_s: float) -> None:
     """Ready once a signed write to the bucket succeeds (the S3 port opens before the bucket exists)."""
-    from bcp.storage import RetryPolicy, S3Storage
+    from bcp.storage.s3 import S3Objects  # unretried: the failures while it starts are expected
 
-    probe = S3Storage(f"s3://{BUCKET}/.ready", retry=RetryPolicy(max_attempts=1), **server.options())
+    probe = S3Objects(f"s3://{BUCKET}/.ready", **server.options())
     deadline = time.monotonic() + timeout_s
     while True:
         if server.process.poll() is not None:

@@ -7,6 +7,9 @@ requests run outside the GIL on a pooled, keep-alive HTTP client, and it has con
 (``If-None-Match: *``) and parallel multipart upload built in.
 
 ``S3Objects`` issues each operation once; ``S3Storage`` is what users name: the same, retried.
+A retried large file is uploaded again whole: obstore runs the multipart upload inside one call and
+has no per-part API, and its own per-request retries are switched off because they would be neither
+logged nor counted.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from bcp.storage.names import child_names, join_key, scatter
+from bcp.storage.names import child_names, flat_bytes, join_key, scatter
 from bcp.storage.retry import RetryingStorage, RetryPolicy
 
 PART_BYTES = 16 << 20
@@ -118,9 +121,13 @@ class S3Objects:
                                  int(status.group(1)) if status else None, code and code.group(1)) from exc
 
     def write_file(self, name: str, chunks: Iterable[memoryview]) -> None:
+        views = [flat_bytes(c) for c in chunks]
         with self._request(name):
-            self._ob.put(self._store, self._key(name), iter(list(chunks)), chunk_size=PART_BYTES,
-                         max_concurrency=PARALLEL_REQUESTS)
+            if sum(v.nbytes for v in views) <= PART_BYTES:  # one PUT: a multipart upload costs 3 requests
+                self._ob.put(self._store, self._key(name), b"".join(views), use_multipart=False)
+            else:
+                self._ob.put(self._store, self._key(name), iter(views), chunk_size=PART_BYTES,
+                             max_concurrency=PARALLEL_REQUESTS)
 
     def put_if_absent(self, name: str, data: bytes) -> bool:
         errors = self._ob.exceptions
