@@ -23,6 +23,8 @@ GRPC_OFFSET = 10000  # every SeaweedFS service also listens for gRPC on its HTTP
 class S3Server:
     endpoint: str
     process: subprocess.Popen
+    directory: str
+    ports: list[int]
 
     def options(self, endpoint: str | None = None) -> dict[str, str]:
         """Explicit connection options for ``bcp.storage.S3Storage``."""
@@ -64,17 +66,19 @@ def weed_binary() -> str:
     return found
 
 
-def start(directory: str, timeout_s: float = 60.0) -> S3Server:
-    s3, master, volume, filer, admin = free_ports(5)
+def start(directory: str, timeout_s: float = 60.0, ports: list[int] | None = None) -> S3Server:
+    """A server keeping its data in ``directory``; ``ports`` (a killed server's) restarts one in place."""
+    ports = ports or free_ports(5)
+    s3, master, volume, filer, admin = ports
     command = [weed_binary(), "mini", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                "-master.telemetry=false", "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0",
                "-s3.port.lance=0", f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
                f"-filer.port={filer}", f"-admin.port={admin}", f"-bucket={BUCKET}"]
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
-    log = open(os.path.join(directory, "weed.log"), "wb")
-    process = subprocess.Popen(command, cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{s3}", process)
+    with open(os.path.join(directory, "weed.log"), "ab") as log:
+        process = subprocess.Popen(command, cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    server = S3Server(f"http://127.0.0.1:{s3}", process, directory, ports)
     _wait_ready(server, directory, timeout_s)
     return server
 
