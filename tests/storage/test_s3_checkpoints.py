@@ -125,3 +125,14 @@ def test_a_resharded_load_downloads_little_more_than_the_bytes_it_needs(ranks, s
         proxy.close()
     needed = ROWS * COLS * 4  # the three ranks' shards together are the whole matrix, once
     assert needed < proxy.get_body_bytes <= 1.2 * needed, (proxy.get_body_bytes, needed)
+
+
+def test_the_inspect_and_verify_commands_take_s3_urls(s3_url, s3_env, capsys):
+    from bcp.cli import main
+
+    model, optimizer = build("plain", seed=1)
+    bcp.save(s3_url, {"model": model, "optimizer": optimizer})
+    assert main(["inspect", s3_url]) == 0
+    assert main(["verify", s3_url]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint   {s3_url}" in out and "model/fc1.weight" in out and f"OK: {s3_url}" in out

@@ -8,9 +8,11 @@ import uuid
 import numpy as np
 import pytest
 
-from bcp.storage import LocalStorage, MemoryStorage, S3Storage, Storage
+from bcp.storage import LocalStorage, MemoryStorage, S3Storage, Storage, storage_for
+from bcp.storage.fsspec_storage import FsspecStorage
 
-BACKENDS = ["local", "memory", "s3"]
+# "fsspec" is the fallback for schemes without a backend of their own, here over fsspec's local files
+BACKENDS = ["local", "memory", "s3", "fsspec"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -19,6 +21,10 @@ def storage(request, tmp_path) -> Storage:
         return LocalStorage(tmp_path / "root")
     if request.param == "memory":
         return MemoryStorage(f"memory://contract-{uuid.uuid4().hex[:8]}/root")
+    if request.param == "fsspec":
+        storage = storage_for(f"local://{tmp_path}/root")
+        assert isinstance(storage.inner, FsspecStorage)  # reached through the registry's fallback
+        return storage
     server = request.getfixturevalue("s3_server")
     return S3Storage(f"s3://ckpt/contract-{uuid.uuid4().hex[:8]}", **server.options())
 

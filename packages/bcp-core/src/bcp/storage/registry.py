@@ -1,7 +1,8 @@
 """The one place that maps a checkpoint URL to its storage backend.
 
 Backends register a factory under their URL scheme (``register_backend("s3", S3Storage)``); the
-engine only ever sees the ``Storage`` the factory returns. A plain path (no ``scheme://``) is local.
+engine only ever sees the ``Storage`` the factory returns. A plain path (no ``scheme://``) is local;
+a scheme no backend registered, but fsspec knows, goes through fsspec (retried on transport errors).
 """
 
 from __future__ import annotations
@@ -35,7 +36,20 @@ def storage_for(path: "str | os.PathLike | Storage") -> Storage:
         return LocalStorage(text)
     scheme = text.split("://", 1)[0].lower()
     factory = _factories.get(scheme)
-    if factory is None:
-        raise ValueError(f"no storage backend for scheme {scheme!r} in {text!r} "
-                         f"(known: {', '.join(registered_schemes())})")
-    return factory(text)
+    if factory is not None:
+        return factory(text)
+    if _fsspec_knows(scheme):
+        from bcp.storage.fsspec_storage import FsspecStorage
+        from bcp.storage.retry import RetryingStorage
+
+        return RetryingStorage(FsspecStorage(text))
+    raise ValueError(f"no storage backend for scheme {scheme!r} in {text!r} "
+                     f"(registered: {', '.join(registered_schemes())}; fsspec knows none by that name)")
+
+
+def _fsspec_knows(scheme: str) -> bool:
+    try:
+        from fsspec.registry import known_implementations, registry
+    except ImportError:
+        return False
+    return scheme in known_implementations or scheme in registry
