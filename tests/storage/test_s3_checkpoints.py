@@ -31,10 +31,10 @@ def save_trained(kind: str, url: str, env: dict[str, str]) -> dict | None:
     return state if rank() == 0 else None
 
 
-def load_fresh(kind: str, url: str, env: dict[str, str]) -> dict | None:
+def load_fresh(kind: str, url: str, env: dict[str, str], read_once: bool = False) -> dict | None:
     _use(env)
     model, optimizer = build(kind, seed=2)
-    bcp.load(url, {"model": model, "optimizer": optimizer})
+    bcp.load(url, {"model": model, "optimizer": optimizer}, read_once=read_once)
     state = full_state(model, optimizer)
     return state if rank() == 0 else None
 
@@ -71,6 +71,7 @@ def test_a_two_rank_save_to_s3_loads_resharded_on_one_and_three_ranks_bitwise(ra
     url = f"{s3_url}/run"
     saved = ranks(2).run(save_trained, "fsdp2", url, s3_env)[0]
     assert_bitwise(saved, ranks(3).run(load_fresh, "fsdp2", url, s3_env)[0])
+    assert_bitwise(saved, ranks(3).run(load_fresh, "ddp", url, s3_env, True)[0])  # read-once replicas
     assert_bitwise(saved, load_fresh("plain", url, s3_env))
 
 

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from bcp.storage.base import Storage
-from bcp.storage.names import child_names, is_under, join_key, scatter
+from bcp.storage.names import child_names, is_under, join_key, scatter, split_url
 
 
 class _Namespace:
@@ -32,13 +32,8 @@ class MemoryStorage(Storage):
     visible whole when ``write_file`` returns (like an object store's completed upload)."""
 
     def __init__(self, url: str) -> None:
-        if not url.startswith("memory://"):
-            raise ValueError(f"not a memory:// URL: {url!r}")
-        namespace, _, prefix = url[len("memory://"):].partition("/")
-        if not namespace:
-            raise ValueError(f"memory:// URL without a namespace: {url!r}")
+        namespace, self._prefix = split_url(url, "memory", "namespace")
         self.root = url.rstrip("/")
-        self._prefix = prefix.strip("/")
         self._space = _namespace(namespace)
 
     def _key(self, name: str) -> str:

@@ -6,6 +6,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 
+def split_url(url: str, scheme: str, first: str) -> tuple[str, str]:
+    """``scheme://first/prefix`` as ``(first, prefix)``; ``first`` (a bucket, a namespace) is required."""
+    if not url.startswith(f"{scheme}://"):
+        raise ValueError(f"not a {scheme}:// URL: {url!r}")
+    head, _, prefix = url[len(scheme) + 3:].partition("/")
+    if not head:
+        raise ValueError(f"{scheme}:// URL without a {first}: {url!r}")
+    return head, prefix.strip("/")
+
+
 def join_key(prefix: str, name: str) -> str:
     """``prefix/name`` with no empty parts (either may be ``""``)."""
     return "/".join(part for part in (prefix.strip("/"), name.strip("/")) if part)

@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from bcp.storage.names import child_names, flat_bytes, join_key, scatter
+from bcp.storage.names import child_names, flat_bytes, join_key, scatter, split_url
 from bcp.storage.retry import RetryingStorage, RetryPolicy
 
 PART_BYTES = 16 << 20
@@ -72,13 +72,8 @@ class S3Objects:
     def __init__(self, url: str, *, endpoint_url: str | None = None, region: str | None = None,
                  access_key_id: str | None = None, secret_access_key: str | None = None,
                  session_token: str | None = None, timeout_s: float = 60.0) -> None:
-        if not url.startswith("s3://"):
-            raise ValueError(f"not an s3:// URL: {url!r}")
-        bucket, _, prefix = url[len("s3://"):].partition("/")
-        if not bucket:
-            raise ValueError(f"s3:// URL without a bucket: {url!r}")
+        bucket, self._prefix = split_url(url, "s3", "bucket")
         self.root = url.rstrip("/")
-        self._prefix = prefix.strip("/")
         env = os.environ.get
         endpoint = endpoint_url or env("AWS_ENDPOINT_URL_S3") or env("AWS_ENDPOINT_URL")
         config = {
