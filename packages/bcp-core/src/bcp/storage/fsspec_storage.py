@@ -56,7 +56,7 @@ class FsspecStorage(Storage):
         data = self._fs.cat_file(self._path(name), start=offset, end=offset + nbytes)  # only these bytes
         if len(data) < nbytes:
             raise EOFError(f"{self.root}/{name}: file ends before byte {offset + nbytes}")
-        scatter(memoryview(data), dests)
+        scatter([memoryview(data)], dests)
 
     def read_bytes(self, name: str) -> bytes:
         return self._fs.cat_file(self._path(name))

@@ -67,7 +67,7 @@ class MemoryStorage(Storage):
         end = offset + sum(d.nbytes for d in dests)
         if end > len(data):
             raise EOFError(f"{self.root}/{name}: object ends at byte {len(data)}, before byte {end}")
-        scatter(data[offset:end], dests)
+        scatter([data[offset:end]], dests)
 
     def read_bytes(self, name: str) -> bytes:
         return self._get(name)

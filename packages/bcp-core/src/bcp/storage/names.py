@@ -37,10 +37,18 @@ def flat_bytes(view: memoryview) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def scatter(data: memoryview, dests: Sequence[memoryview]) -> None:
-    """Copy consecutive bytes of ``data`` into ``dests`` one after the other."""
-    offset = 0
+def scatter(sources: Sequence[memoryview], dests: Sequence[memoryview]) -> None:
+    """Copy the consecutive bytes of ``sources`` (fetched parts) into ``dests`` one after the other,
+    without first joining the parts (a join would copy every byte once more)."""
+    parts = iter(sources)
+    source = memoryview(b"")
     for dest in dests:
         flat = flat_bytes(dest)
-        flat[:] = data[offset:offset + flat.nbytes]
-        offset += flat.nbytes
+        filled = 0
+        while filled < flat.nbytes:
+            if not source.nbytes:
+                source = flat_bytes(memoryview(next(parts)))
+            step = min(source.nbytes, flat.nbytes - filled)
+            flat[filled:filled + step] = source[:step]
+            source = source[step:]
+            filled += step

@@ -149,8 +149,7 @@ class S3Objects:
         got = sum(len(p) for p in parts)
         if got < nbytes:
             raise EOFError(f"{self.root}/{name}: object ends before byte {offset + nbytes}")
-        data = memoryview(b"".join(parts)) if len(parts) > 1 else memoryview(parts[0])
-        scatter(data, dests)
+        scatter([memoryview(p) for p in parts], dests)
 
     def read_bytes(self, name: str) -> bytes:
         with self._request(name):
