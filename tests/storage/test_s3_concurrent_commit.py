@@ -12,19 +12,20 @@ from models import build, full_state, train
 from s3_fault_proxy import FaultProxy
 
 
-@pytest.mark.xfail(strict=True, raises=bcp.CorruptCheckpointError, reason=(
-    "engine, not storage: both jobs write the same data/manifest names in generation 2, so the "
-    "loser of the COMMITTED race overwrites the winner's manifest; the winner's marker then refuses it "
-    "(detected, never loaded wrong). Fix: claim the generation with put_if_absent before writing."))
+@pytest.mark.xfail(strict=True, reason=(
+    "engine, not storage: both jobs write the same file names in generation 2, so the loser of the "
+    "COMMITTED race has already overwritten the winner's manifest and data (the winner's marker then "
+    "refuses the manifest: detected, never loaded wrong). Fix: claim the generation with "
+    "put_if_absent before any rank writes into it (proposed to the lead)."))
 def test_two_jobs_committing_one_generation_at_once_one_wins_and_the_other_is_told(s3_server, s3_url):
-    # The proxy holds each job's first write of generation 2 until the other job's arrives, so both
-    # have chosen generation 2 before either writes: the race the commit marker has to settle.
+    # The proxy holds each job's first write into generation 2 until the other job's arrives, so both
+    # have chosen generation 2 before either has written anything there: the race under test.
     both_writing = threading.Barrier(2, timeout=10)
-    held = iter(range(2))  # the first two data writes of generation 2 wait; later ones go through
+    held = iter(range(2))  # the first two writes into generation 2 wait; later ones go through
     lock = threading.Lock()
 
     def align(method: str, path: str) -> None:
-        if method == "PUT" and "gen-00000002/data/" in path:
+        if method == "PUT" and "gen-00000002/" in path:
             with lock:
                 hold = next(held, None) is not None
             if hold:
@@ -61,7 +62,7 @@ def test_two_jobs_committing_one_generation_at_once_one_wins_and_the_other_is_to
     winners = [seed for seed, error in outcomes.items() if error is None]
     losers = [error for error in outcomes.values() if error is not None]
     assert len(winners) == 1 and len(losers) == 1, outcomes
-    assert isinstance(losers[0], bcp.CheckpointError) and "committed by another writer" in str(losers[0])
+    assert isinstance(losers[0], bcp.CheckpointNotCommittedError) and "another job" in str(losers[0])
     model, optimizer = build("plain", seed=99)
     bcp.load(S3Storage(s3_url, **s3_server.options()), {"model": model, "optimizer": optimizer})
     expected = full_state(*jobs[winners[0]])
