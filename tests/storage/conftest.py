@@ -2,7 +2,6 @@ import logging
 import uuid
 
 import pytest
-
 import s3_test_server as seaweedfs
 
 

@@ -3,7 +3,8 @@
 Each request is forwarded to the server unless ``fault(method, path)`` picks a fault for it:
 ``"slowdown"`` answers 503 SlowDown without forwarding, ``"reset"`` resets the connection before
 forwarding, ``"reset_after"`` forwards (the server acts) and then resets instead of replying (the
-client cannot know whether its request took effect). The proxy counts requests, faults and the
+client cannot know whether its request took effect), ``"stall"`` holds the request unanswered for
+``stall_s`` seconds and then drops the connection. The proxy counts requests, faults and the
 response body bytes it relays, so tests can check how much a load downloaded.
 """
 
@@ -13,6 +14,7 @@ import http.client
 import socket
 import struct
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,7 +27,8 @@ _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Co
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, fault: Fault | None = None) -> None:
+    def __init__(self, upstream: str, fault: Fault | None = None, stall_s: float = 5.0) -> None:
+        self.stall_s = stall_s
         target = urlsplit(upstream)
         self.upstream = (target.hostname, target.port)
         self.fault: Fault = fault or (lambda method, path: None)
@@ -69,6 +72,9 @@ class FaultProxy:
                         proxy.faults[fault] += 1
                 if fault == "slowdown":
                     return self._reply(503, [("Content-Type", "application/xml")], _SLOWDOWN)
+                if fault == "stall":
+                    time.sleep(proxy.stall_s)
+                    return self._reset()
                 if fault == "reset":
                     return self._reset()
                 status, headers, payload = self._forward(body)

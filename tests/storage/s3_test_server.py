@@ -95,7 +95,7 @@ def _wait_ready(server: S3Server, directory: str, timeout_s: float) -> None:
         try:
             probe.write_file("probe", [memoryview(b"ok")])
             return
-        except Exception:
+        except OSError:  # refused, reset, or an error reply while the services come up
             if time.monotonic() > deadline:
                 stop(server)
                 raise RuntimeError(f"weed mini not ready after {timeout_s}s; see {directory}/weed.log") from None

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import os
 import random
-import uuid
-
-import pytest
-import torch
 
 import bcp
+import pytest
+import torch
 from bcp.storage import RetryPolicy, S3Storage
 from models import assert_bitwise, build, full_state, rank, train
 from s3_fault_proxy import FaultProxy
@@ -106,6 +104,39 @@ def test_save_and_load_succeed_through_20_percent_faults_and_every_retry_is_logg
     assert storage.stats.snapshot()["failures"] == {}
 
 
+def test_a_stalled_request_times_out_and_is_retried(s3_server, s3_url, storage_log):
+    stalled = iter(range(1))  # the first data upload stalls; everything else goes through
+
+    def stall_once(method: str, path: str) -> str | None:
+        return "stall" if method == "PUT" and "/data/" in path and next(stalled, None) is not None else None
+
+    proxy = FaultProxy(s3_server.endpoint, stall_once, stall_s=4.0)
+    try:
+        storage = S3Storage(s3_url, timeout_s=1.5, retry=RetryPolicy(first_delay_s=0.01),
+                            **s3_server.options(proxy.endpoint))
+        model, optimizer = build("plain", seed=1)
+        train(model, optimizer, range(1))
+        bcp.save(storage, {"model": model, "optimizer": optimizer})
+        assert_bitwise(full_state(model, optimizer), _loaded_from(storage))
+    finally:
+        proxy.close()
+    # at least: on a loaded machine an ordinary request may also outlast the short timeout
+    assert proxy.faults["stall"] == 1 and storage.stats.snapshot()["retries"].get("no reply", 0) >= 1
+    assert any("/data/" in r.getMessage() and "attempt 1 failed" in r.getMessage() for r in storage_log.records)
+
+
+def _loaded_from(storage: S3Storage) -> dict:
+    model, optimizer = build("plain", seed=2)
+    bcp.load(storage, {"model": model, "optimizer": optimizer})
+    return full_state(model, optimizer)
+
+
+def test_loading_an_s3_url_that_holds_nothing_names_it(s3_url, s3_env):
+    model, optimizer = build("plain", seed=1)
+    with pytest.raises(bcp.CheckpointNotFoundError, match=s3_url):
+        bcp.load(s3_url, {"model": model, "optimizer": optimizer})
+
+
 def test_a_permanent_403_fails_at_once_with_a_checkpoint_error_naming_the_url(s3_url, s3_env, monkeypatch,
                                                                               storage_log):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
@@ -137,3 +168,4 @@ def test_the_inspect_and_verify_commands_take_s3_urls(s3_url, s3_env, capsys):
     assert main(["verify", s3_url]) == 0
     out = capsys.readouterr().out
     assert f"checkpoint   {s3_url}" in out and "model/fc1.weight" in out and f"OK: {s3_url}" in out
+

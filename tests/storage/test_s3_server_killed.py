@@ -3,9 +3,8 @@ half-written generation is never taken for a checkpoint, and after a restart the
 
 from __future__ import annotations
 
-import pytest
-
 import bcp
+import pytest
 import s3_test_server
 from bcp.storage import RetryPolicy, S3Storage
 from models import assert_bitwise, build, full_state, train

@@ -7,7 +7,6 @@ import uuid
 
 import numpy as np
 import pytest
-
 from bcp.storage import LocalStorage, MemoryStorage, S3Storage, Storage, storage_for
 from bcp.storage.fsspec_storage import FsspecStorage
 
@@ -133,7 +132,7 @@ def test_concurrent_put_if_absent_has_exactly_one_winner(storage):
         try:
             if storage.put_if_absent("COMMITTED", f"writer {i}".encode()):
                 won.append(i)
-        except BaseException as exc:  # a thread's failure must fail the test, not only warn
+        except BaseException as exc:  # noqa: BLE001 (a thread's failure must fail the test, not only warn)
             errors.append(exc)
 
     threads = [threading.Thread(target=contend, args=(i,)) for i in range(8)]

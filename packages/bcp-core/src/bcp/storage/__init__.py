@@ -14,8 +14,18 @@ from bcp.storage.registry import register_backend, registered_schemes, storage_f
 from bcp.storage.retry import RetryingStorage, RetryPolicy, RetryStats
 from bcp.storage.s3 import S3Storage
 
-__all__ = ["Storage", "LocalStorage", "MemoryStorage", "S3Storage", "RetryingStorage", "RetryPolicy",
-           "RetryStats", "register_backend", "registered_schemes", "storage_for"]
+__all__ = [
+           "LocalStorage",
+           "MemoryStorage",
+           "RetryPolicy",
+           "RetryStats",
+           "RetryingStorage",
+           "S3Storage",
+           "Storage",
+           "register_backend",
+           "registered_schemes",
+           "storage_for",
+]
 
 register_backend("file", lambda url: LocalStorage(url[len("file://"):]))
 register_backend("memory", MemoryStorage)

@@ -33,6 +33,7 @@ class MemoryStorage(Storage):
 
     def __init__(self, url: str) -> None:
         namespace, self._prefix = split_url(url, "memory", "namespace")
+        _refuse_several_processes(url)
         self.root = url.rstrip("/")
         self._space = _namespace(namespace)
 
@@ -90,3 +91,13 @@ class MemoryStorage(Storage):
         with self._space.lock:
             for k in [k for k in self._space.objects if k == key or is_under(k, key)]:
                 del self._space.objects[k]
+
+
+def _refuse_several_processes(url: str) -> None:
+    """Each rank's memory is its own: a save on several ranks would commit a manifest naming files
+    that rank 0 cannot see, so that is refused up front rather than found at load."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"{url}: memory:// storage is process-local and cannot hold a checkpoint of "
+                         f"{dist.get_world_size()} ranks; use a shared file system or an object store")

@@ -26,7 +26,7 @@ def registered_schemes() -> list[str]:
     return sorted(_factories)
 
 
-def storage_for(path: "str | os.PathLike | Storage") -> Storage:
+def storage_for(path: str | os.PathLike | Storage) -> Storage:
     """The backend for a checkpoint path or URL. A ``Storage`` instance is used as is; a plain path is
     a local directory; ``scheme://...`` goes to the factory registered for ``scheme``."""
     if isinstance(path, Storage):

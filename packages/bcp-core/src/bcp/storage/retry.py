@@ -74,7 +74,7 @@ class Classified(Protocol):
 class RetryingStorage(Storage):
     """``inner``'s operations, each retried on transient errors under ``policy``."""
 
-    def __init__(self, inner: "Storage | Classified", policy: RetryPolicy | None = None) -> None:
+    def __init__(self, inner: Storage | Classified, policy: RetryPolicy | None = None) -> None:
         self.inner = inner
         self.root = inner.root
         self.policy = policy or RetryPolicy()
