@@ -1,24 +1,32 @@
-"""Storage backends: bytes in and out, knowing nothing of tensors."""
+"""Storage backends: bytes in and out, knowing nothing of tensors, named by URL.
+
+``storage_for(url)`` picks the backend by scheme: a plain path or ``file://`` is a local directory,
+``memory://name/...`` lives in this process, ``s3://bucket/prefix`` is S3 or an S3-compatible store
+(retried, see :mod:`bcp.storage.retry`). More schemes plug in with :func:`register_backend`.
+"""
 
 from __future__ import annotations
 
-import os
-
 from bcp.storage.base import Storage
 from bcp.storage.local import LocalStorage
+from bcp.storage.memory import MemoryStorage
+from bcp.storage.registry import register_backend, registered_schemes, storage_for
+from bcp.storage.retry import RetryingStorage, RetryPolicy, RetryStats
+from bcp.storage.s3 import S3Storage
 
-__all__ = ["Storage", "LocalStorage", "storage_for"]
+__all__ = [
+           "LocalStorage",
+           "MemoryStorage",
+           "RetryPolicy",
+           "RetryStats",
+           "RetryingStorage",
+           "S3Storage",
+           "Storage",
+           "register_backend",
+           "registered_schemes",
+           "storage_for",
+]
 
-
-def storage_for(path: "str | os.PathLike | Storage") -> Storage:
-    """The backend for a checkpoint path. A ``Storage`` instance is used as is; a plain path or a
-    ``file://`` URL is a local directory. Other schemes are refused until their backend exists."""
-    if isinstance(path, Storage):
-        return path
-    text = os.fspath(path)
-    if "://" in text:
-        scheme, rest = text.split("://", 1)
-        if scheme == "file":
-            return LocalStorage(rest)
-        raise ValueError(f"no storage backend for scheme {scheme!r} in {text!r}")
-    return LocalStorage(text)
+register_backend("file", lambda url: LocalStorage(url[len("file://"):]))
+register_backend("memory", MemoryStorage)
+register_backend("s3", S3Storage)

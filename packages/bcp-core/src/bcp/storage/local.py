@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Iterable, Sequence
 
 from bcp.storage.base import Storage
@@ -47,7 +48,7 @@ class LocalStorage(Storage):
     def put_if_absent(self, name: str, data: bytes) -> bool:
         path = self._path(name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        temporary = f"{path}.tmp-{os.getpid()}"
+        temporary = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # unique per writing thread
         self.write_file(os.path.relpath(temporary, self.root).replace(os.sep, "/"), [memoryview(data)])
         try:
             os.link(temporary, path)  # link() fails if the target exists: atomic create-if-absent

@@ -1,0 +1,165 @@
+"""Retrying a storage's transient failures, outside the engine.
+
+``RetryingStorage`` wraps any backend: an operation that fails with a transient error (a 5xx or
+SlowDown, a reset connection, a timeout) is tried again after an exponentially growing, jittered
+pause until the policy's budget is spent; a permanent error fails at once. Missing files stay
+``FileNotFoundError`` and short files ``EOFError`` (the Storage protocol's own signals); every other
+final failure is a :class:`bcp.StorageError` naming the URL, the file, the byte range, the attempts
+and the cause. Every retry is logged on the ``bcp.storage`` logger and counted in ``stats``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from bcp.errors import StorageError
+from bcp.storage.base import Storage
+
+log = logging.getLogger("bcp.storage")
+T = TypeVar("T")
+
+_PROTOCOL_SIGNALS = (FileNotFoundError, EOFError)  # the Storage protocol's answers, not failures
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How long transient storage errors are retried."""
+
+    max_attempts: int = 10
+    """Tries per operation, the first included."""
+    first_delay_s: float = 0.1
+    """The pause before the second try; each later pause doubles, up to ``max_delay_s``."""
+    max_delay_s: float = 5.0
+    """The longest single pause."""
+    budget_s: float = 120.0
+    """No new try starts this long after the first one."""
+
+    def delay(self, attempt: int) -> float:
+        """The pause after failed try number ``attempt`` (from 1): full jitter, so that many ranks
+        retrying at once spread out instead of hitting the server again in step."""
+        return random.uniform(0, min(self.max_delay_s, self.first_delay_s * 2 ** (attempt - 1)))
+
+
+class RetryStats:
+    """Thread-safe counts of one storage's retries and final failures, by cause: the error's ``kind``
+    where the backend names one (``"SlowDown"``, ``"HTTP 503"``, ``"no reply"``), else its type."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.retries: Counter[str] = Counter()
+        self.failures: Counter[str] = Counter()
+
+    def count(self, which: Counter[str], cause: BaseException) -> None:
+        with self._lock:
+            which[getattr(cause, "kind", None) or type(cause).__name__] += 1
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            return {"retries": dict(self.retries), "failures": dict(self.failures)}
+
+
+class Classified(Protocol):
+    """A backend that can tell a transient error (worth another try) from a permanent one."""
+
+    def is_transient(self, exc: BaseException) -> bool: ...
+
+
+class RetryingStorage(Storage):
+    """``inner``'s operations, each retried on transient errors under ``policy``."""
+
+    def __init__(self, inner: Storage | Classified, policy: RetryPolicy | None = None) -> None:
+        self.inner = inner
+        self.root = inner.root
+        self.policy = policy or RetryPolicy()
+        self.stats = RetryStats()
+
+    def _call(self, what: str, operation: Callable[[], T]) -> T:
+        attempt, started = 1, time.monotonic()
+        while True:
+            try:
+                return operation()
+            except _PROTOCOL_SIGNALS:
+                raise
+            except Exception as exc:  # classified below: transient ones are retried, the rest fail now
+                transient = _is_transient(self.inner, exc)
+                pause = self.policy.delay(attempt)
+                spent = time.monotonic() + pause - started
+                if not transient or attempt >= self.policy.max_attempts or spent > self.policy.budget_s:
+                    self.stats.count(self.stats.failures, exc)
+                    kind = "transient error, retry budget spent" if transient else "permanent error"
+                    log.error("%s failed on attempt %d (%s%s): %r", what, attempt, kind, _rank_note(), exc)
+                    raise StorageError(f"{what} failed on attempt {attempt} ({kind}): {exc}",
+                                       path=self.root) from exc
+                self.stats.count(self.stats.retries, exc)
+                log.warning("%s: attempt %d failed%s, retrying in %.2fs: %r", what, attempt, _rank_note(),
+                            pause, exc)
+                time.sleep(pause)
+                attempt += 1
+
+    def _where(self, name: str, start: int | None = None, nbytes: int | None = None) -> str:
+        span = "" if start is None else f" bytes {start}-{start + (nbytes or 0) - 1}"
+        return f"{self.root}/{name}{span}"
+
+    def write_file(self, name: str, chunks: Iterable[memoryview]) -> None:
+        # A retried upload must send the same bytes again, so the stream is drawn once, here; its
+        # views point into tensors the saver holds anyway, so this keeps references, not copies.
+        views = list(chunks)
+        self._call(f"writing {self._where(name)}", lambda: self.inner.write_file(name, views))
+
+    def put_if_absent(self, name: str, data: bytes) -> bool:
+        tries = 0
+
+        def attempt() -> bool:
+            nonlocal tries
+            tries += 1
+            created = self.inner.put_if_absent(name, data)
+            # A try whose reply was lost may have created the object: finding our own bytes there
+            # means that try won, not another writer.
+            return created or (tries > 1 and self.inner.read_bytes(name) == data)
+
+        return self._call(f"creating {self._where(name)}", attempt)
+
+    def read_into(self, name: str, offset: int, dest: memoryview) -> None:
+        self._call(f"reading {self._where(name, offset, dest.nbytes)}",
+                   lambda: self.inner.read_into(name, offset, dest))
+
+    def read_into_many(self, name: str, offset: int, dests: Sequence[memoryview]) -> None:
+        nbytes = sum(d.nbytes for d in dests)
+        self._call(f"reading {self._where(name, offset, nbytes)}",
+                   lambda: self.inner.read_into_many(name, offset, dests))
+
+    def read_bytes(self, name: str) -> bytes:
+        return self._call(f"reading {self._where(name)}", lambda: self.inner.read_bytes(name))
+
+    def exists(self, name: str) -> bool:
+        return self._call(f"checking {self._where(name)}", lambda: self.inner.exists(name))
+
+    def size(self, name: str) -> int:
+        return self._call(f"sizing {self._where(name)}", lambda: self.inner.size(name))
+
+    def list_dir(self, prefix: str) -> list[str]:
+        return self._call(f"listing {self._where(prefix)}", lambda: self.inner.list_dir(prefix))
+
+    def delete_tree(self, prefix: str) -> None:
+        self._call(f"deleting {self._where(prefix)}", lambda: self.inner.delete_tree(prefix))
+
+
+def _is_transient(inner: object, exc: BaseException) -> bool:
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    classify = getattr(inner, "is_transient", None)
+    return bool(classify and classify(exc))
+
+
+def _rank_note() -> str:
+    """``", rank N"`` inside a process group, so a job's merged logs say which rank retried."""
+    import torch.distributed as dist
+
+    return f", rank {dist.get_rank()}" if dist.is_available() and dist.is_initialized() else ""
