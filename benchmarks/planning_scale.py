@@ -211,12 +211,12 @@ def grpc_planning(tp: int, pp: int, nodes: int) -> dict:
     rows = []
     for world in (512, 2048, 8960):
         dp = world // (tp * pp)
-        wire = [Outcome(local_plan(r % tp, tp, (r // tp) % pp, pp, r // (tp * pp), dp)).packed(r)
+        wire = [Outcome(local_plan(r % tp, tp, (r // tp) % pp, pp, r // (tp * pp), dp).to_wire()).packed(r)
                 for r in range(world)]
         with paused_gc():
             t0 = time.perf_counter()
-            plans = [unpack(w)[1] for w in wire]
-            replies = global_plan(PlanColumns(plans))
+            plans = [LocalPlan.from_wire(unpack(w)[1]) for w in wire]
+            replies = [share.to_wire() for share in global_plan(PlanColumns(plans))]
             planned = time.perf_counter() - t0
         down = [len(pack([True, reply])) for reply in replies]
         row = at_scale(world, [len(w) for w in wire], down, costs["_a"], costs["_b"])

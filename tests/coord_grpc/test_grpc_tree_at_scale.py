@@ -10,6 +10,7 @@ import sys
 from grpc_nodes import close_all, on_threads, start_nodes
 
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
+from bcp.layout.local_plan import LocalPlan
 from bcp.planning.save_plan import PlanColumns, global_plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -20,19 +21,24 @@ WORLD = TP * PP * DP
 
 
 def plan_of(rank: int) -> list:
-    return local_plan(rank % TP, TP, (rank // TP) % PP, PP, rank // (TP * PP), DP)
+    """Rank ``rank``'s local plan as it travels (plain data)."""
+    return local_plan(rank % TP, TP, (rank // TP) % PP, PP, rank // (TP * PP), DP).to_wire()
+
+
+def planned(wires: list) -> list:
+    return [share.to_wire() for share in global_plan(PlanColumns([LocalPlan.from_wire(w) for w in wires]))]
 
 
 def test_64_nodes_plan_a_llama_405b_shaped_save_through_a_tree_of_the_configured_shape():
     plans = [plan_of(r) for r in range(WORLD)]
-    expected = global_plan(PlanColumns(plans))
+    expected = planned(plans)
     nodes = start_nodes(WORLD, "llama", timeout=120, ranks_per_machine=8, fan_out=2)
     try:
         def plan_on(rank: int) -> list:
             node = nodes[rank]
-            mine = gather_then_reply(node, Outcome(plans[rank]), lambda got: global_plan(PlanColumns(got)),
+            mine = gather_then_reply(node, Outcome(plans[rank]), planned,
                                      "planning")
-            agreed = all_agree(node, Outcome(len(mine)), "agreeing")
+            agreed = all_agree(node, Outcome(len(mine[0]) + len(mine[1])), "agreeing")
             return [mine, agreed]
 
         results = on_threads(WORLD, plan_on)
@@ -41,7 +47,7 @@ def test_64_nodes_plan_a_llama_405b_shaped_save_through_a_tree_of_the_configured
     for rank, result in enumerate(results):
         assert not isinstance(result, BaseException), f"rank {rank}: {result!r}"
         assert result[0] == expected[rank]
-        assert result[1] == [len(p) for p in expected]
+        assert result[1] == [len(whole) + len(parts) for whole, parts in expected]
 
     tree = nodes[0].tree
     # 8 machines of 8 ranks; their leaders in a binary tree 3 levels deep; local ranks one below.
