@@ -50,10 +50,17 @@ def test_async_saves_commit_in_call_order_and_reuse_buffers(tmp_path):
     assert torch.equal(out["w"], torch.full((50_000,), 11.0))
 
 
+class _DataWritesFail(bcp.storage.LocalStorage):
+    """A disk that refuses data files (a fault a test cannot cause on this disk for real)."""
+
+    def write_file(self, name, chunks):
+        if "/data/" in name:
+            raise OSError(28, "No space left on device", name)
+        super().write_file(name, chunks)
+
+
 def test_async_save_error_is_raised_by_wait(tmp_path):
-    blocker = tmp_path / "ckpt"
-    blocker.write_text("a file where the checkpoint folder should be")
-    handle = bcp.save(blocker, {"model": {"w": torch.ones(4)}}, async_save=True)
+    handle = bcp.save(_DataWritesFail(tmp_path / "ckpt"), {"model": {"w": torch.ones(4)}}, async_save=True)
     try:
         handle.wait()
     except bcp.CheckpointError as exc:
