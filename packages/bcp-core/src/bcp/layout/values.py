@@ -203,13 +203,18 @@ class _Decoder:
             raise self.fail(f"dtype {body!r}") from None
 
     def tag_device(self, body: Any) -> torch.device:
-        return torch.device(str(body))
+        return torch.device(self.text(body, "device"))
 
     def tag_size(self, body: Any) -> torch.Size:
         return torch.Size(self.decode(body))
 
     def tag_path(self, body: Any) -> pathlib.Path:
-        return pathlib.Path(str(body))
+        return pathlib.Path(self.text(body, "path"))
+
+    def text(self, body: Any, what: str) -> str:
+        if not isinstance(body, str):
+            raise self.fail(f"{what} must be a string")
+        return body
 
     def tag_tensor(self, body: Any) -> torch.Tensor:
         dtype = self.tag_dtype(body.get("dtype") if isinstance(body, dict) else None)
