@@ -48,10 +48,17 @@ def test_async_saves_commit_in_call_order_and_reuse_buffers(tmp_path):
     assert torch.equal(out["w"], torch.full((50_000,), 11.0))
 
 
+class _DataWritesFail(bcp.storage.LocalStorage):
+    """A disk that refuses data files (a fault a test cannot cause on this disk for real)."""
+
+    def write_file(self, name, chunks):
+        if "/data/" in name:
+            raise OSError(28, "No space left on device", name)
+        super().write_file(name, chunks)
+
+
 def test_async_save_error_is_raised_by_wait(tmp_path):
-    blocker = tmp_path / "ckpt"
-    blocker.write_text("a file where the checkpoint folder should be")
-    handle = bcp.save(blocker, {"model": {"w": torch.ones(4)}}, async_save=True)
+    handle = bcp.save(_DataWritesFail(tmp_path / "ckpt"), {"model": {"w": torch.ones(4)}}, async_save=True)
     try:
         handle.wait()
     except bcp.CheckpointError as exc:
@@ -200,7 +207,7 @@ def async_distributed_case(path: str) -> list:
 def test_async_fsdp2_saves_pipeline_and_commit_in_order(ranks, tmp_path):
     generation, listing, loaded, expected_second, expected_first = ranks(2).run(async_distributed_case,
                                                                                  str(tmp_path))[0]
-    assert generation == 2 and listing == ["gen-00000002"]
+    assert generation == 2 and listing == ["gen-00000001", "gen-00000002"]  # the newest two are kept
     assert_bitwise(expected_second, loaded)
     assert not all(torch.equal(expected_first[k], expected_second[k]) for k in expected_first)
 

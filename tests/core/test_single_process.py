@@ -109,12 +109,13 @@ def test_generations_replace_old_after_commit_and_roles_live_side_by_side(tmp_pa
     model, optimizer = trained()
     assert bcp.save(tmp_path, {"model": model}).generation == 1
     assert bcp.save(tmp_path, {"model": model}).generation == 2
-    assert sorted(os.listdir(tmp_path)) == ["gen-00000002"]
+    assert bcp.save(tmp_path, {"model": model}).generation == 3
+    assert sorted(os.listdir(tmp_path)) == ["gen-00000002", "gen-00000003"]  # the newest two are kept
     bcp.save(tmp_path, {"model": {"w": torch.ones(3)}}, role="critic")
     critic = {"w": torch.zeros(3)}
     bcp.load(tmp_path, {"model": critic}, role="critic")
     assert torch.equal(critic["w"], torch.ones(3))
-    assert bcp.load(tmp_path, {"model": build("plain", 9)[0]}).generation == 2
+    assert bcp.load(tmp_path, {"model": build("plain", 9)[0]}).generation == 3
     with pytest.raises(bcp.CheckpointError, match="invalid role"):
         bcp.save(tmp_path, {"model": critic}, role="../x")
 

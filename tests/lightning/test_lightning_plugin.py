@@ -133,11 +133,11 @@ def test_model_checkpoint_top_k_last_and_link(tmp_path):
     assert_same(linked, BCPCheckpointIO().load_checkpoint(tmp_path / "epoch=2.ckpt"))
 
     # Top-k removal goes through the plugin; last.ckpt is rewritten at the same path, each save a
-    # new generation that replaces the older one once committed.
+    # new generation; once it is committed, the two newest stay (bcp's default retention).
     third = trainer(tmp_path / "top1", 3, top_k=1, monitor="step", save_last=True)
     third.fit(LitMLP(), datamodule=Data(shuffle=False))
     assert sorted(os.listdir(tmp_path / "top1")) == ["epoch=2.ckpt", "last.ckpt"]
-    assert os.listdir(tmp_path / "top1" / "last.ckpt") == ["gen-00000003"]
+    assert sorted(os.listdir(tmp_path / "top1" / "last.ckpt")) == ["gen-00000002", "gen-00000003"]
 
 
 def test_trainer_save_checkpoint_and_weights_only(tmp_path):

@@ -84,6 +84,7 @@ def test_verify_finds_tensors_the_shards_do_not_cover(ckpt):
     manifest, entry = checkpoint.manifest, checkpoint.tensors["model/embed.weight"]
     manifest.tensors[entry.name] = TensorEntry(entry.name, entry.dtype, entry.shape, entry.shards[:1])
     manifest.generation = 2
+    assert checkpoint.location.claim_next_generation() == 2  # a writer claims its generation first
     shutil.copytree(os.path.join(ckpt, "gen-00000001", "data"), os.path.join(ckpt, "gen-00000002", "data"))
     checkpoint.location.commit(2, manifest)
 

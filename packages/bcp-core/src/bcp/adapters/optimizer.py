@@ -28,17 +28,30 @@ def optimizer_values(model: Any, optimizer: Any, *, for_load: bool) -> dict[str,
     names = _param_names(model)
     if for_load:
         initialize_state(optimizer)
+    group_names = [_group_names(names, g["params"], i) for i, g in enumerate(optimizer.param_groups)]
     values: dict[str, Any] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            fqn = names[id(param)]
+    for group, fqns in zip(optimizer.param_groups, group_names):
+        for param, fqn in zip(group["params"], fqns):
             for key, value in optimizer.state.get(param, {}).items():
                 values[f"{STATE}{fqn}/{key}"] = value
     values[PARAM_GROUPS] = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-        for g in optimizer.param_groups
+        {**{k: v for k, v in g.items() if k != "params"}, "params": fqns}
+        for g, fqns in zip(optimizer.param_groups, group_names)
     ]
     return values
+
+
+def _group_names(names: dict[int, str], params: list[Any], group: int) -> list[str]:
+    """The model FQNs of a param group's parameters; a parameter the model does not hold is named
+    by its place in the optimizer and its shape."""
+    for index, param in enumerate(params):
+        if id(param) not in names:
+            raise AdapterError(
+                f"the optimizer's param group {group} holds a parameter (index {index}, shape "
+                f"{list(param.shape)}, dtype {param.dtype}) that is not a parameter of the model in "
+                "state['model']; give the optimizer the model's parameters, or save the model it belongs to",
+                key="optimizer")
+    return [names[id(p)] for p in params]
 
 
 def apply_optimizer_values(model: Any, optimizer: Any, values: dict[str, Any]) -> None:

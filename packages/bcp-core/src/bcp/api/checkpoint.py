@@ -167,12 +167,11 @@ def open_checkpoint(path: "str | os.PathLike | Storage", *, role: str | None = N
     """
     location = resolve(path, role)
     if coordinator is None or coordinator.world_size == 1:
-        chosen = _chosen(location, generation)
-        manifest = location.read_manifest(chosen)
+        chosen, data, table = _manifest_files(location, generation)
     else:
         found = Outcome.of(lambda: _manifest_files(location, generation)) if coordinator.rank == 0 else Outcome()
         chosen, data, table = broadcast_from_root(coordinator, found, f"opening {location.display}")
-        manifest = Manifest.decode(data, table, path=f"{location.display}/{generation_dir(chosen)}")
+    manifest = Manifest.decode(data, table, path=f"{location.display}/{generation_dir(chosen)}")
     return Checkpoint(location, chosen, manifest, verify=verify, io_threads=io_threads)
 
 
@@ -183,13 +182,13 @@ def read_tensor(path: "str | os.PathLike | Storage", name: str, index: Any = Non
 
 
 def _manifest_files(location: Location, generation: int | None) -> list[Any]:
-    chosen = _chosen(location, generation)
-    return [chosen, *location.read_manifest_files(chosen)]
-
-
-def _chosen(location: Location, generation: int | None) -> int:
+    """``[generation, manifest bytes, shard table bytes]`` of ``generation``, or of the newest
+    committed one (retried on a newer one if a concurrent save's retention removes it meanwhile)."""
     try:
-        return location.latest_committed() if generation is None else _committed(location, generation)
+        if generation is None:
+            return [*location.read_latest_manifest_files()]
+        chosen = _committed(location, generation)
+        return [chosen, *location.read_manifest_files(chosen)]
     except CheckpointNotFoundError:
         hint = _other_format_hint(location)
         if hint:

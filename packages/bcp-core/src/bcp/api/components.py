@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch
+
 from bcp.adapters.base import FrameworkAdapter
-from bcp.errors import CheckpointError
+from bcp.errors import CheckpointError, MismatchError
 
 MODEL = "model"
 OPTIMIZER = "optimizer"
@@ -44,7 +46,25 @@ def collect(state: Mapping[str, Any], adapter: FrameworkAdapter | None, *, for_l
     for key, obj in state.items():
         if key not in RESHARDED:
             values[key] = obj.state_dict() if is_stateful(obj) else obj
+    if for_load:
+        _check_not_meta(values)
     return values
+
+
+def _check_not_meta(values: dict[str, Any]) -> None:
+    """A tensor on the meta device has no memory: loading into it would read and drop every byte."""
+    meta = [name for name, value in values.items() if any(t.is_meta for t in _tensors_of(value))]
+    if meta:
+        raise MismatchError(f"{len(meta)} live tensor(s) are on the meta device and cannot hold loaded values, "
+                            f"e.g. {meta[:3]}; materialize the model first (e.g. model.to_empty(device=...))")
+
+
+def _tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of a state-dict value: itself, or the tensors of its shards."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    shards = value if isinstance(value, (list, tuple)) else [value]
+    return [s.tensor for s in shards if isinstance(getattr(s, "tensor", None), torch.Tensor)]
 
 
 def apply(state: dict[str, Any], adapter: FrameworkAdapter | None, loaded: dict[str, Any]) -> None:

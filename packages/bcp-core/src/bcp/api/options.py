@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
 from bcp.coord import Coordinator
+from bcp.engine.location import DEFAULT_KEEP_GENERATIONS
 
 DEFAULT_IO_THREADS = 4
 
@@ -53,6 +54,9 @@ class SaveOptions(_CommonOptions):
     """Return once the state is copied to host memory; the handle's ``wait()`` returns when committed."""
     verify_replicas: bool = False
     """Check, by checksum, that replicated tensors agree across ranks."""
+    keep_generations: int = DEFAULT_KEEP_GENERATIONS
+    """Committed generations kept at the path after each save (at least 1): a reader of the previous
+    one is not broken by the next save's retention."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

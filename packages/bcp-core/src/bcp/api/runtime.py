@@ -1,6 +1,6 @@
 """What one process keeps between saves, in one object with a clear lifetime: the plan cache, the
-host buffers of asynchronous saves, the background lane that commits them in order, and the
-generations this process handed out. ``reset_runtime()`` (tests, or a job re-creating its process
+host buffers of asynchronous saves and the background lane that commits them in order.
+``reset_runtime()`` (tests, or a job re-creating its process
 groups) waits for pending saves and starts afresh."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import os
 import threading
 
 from bcp.engine.background import BackgroundLane
-from bcp.engine.location import Location
 from bcp.engine.staging import HostBufferPool
 from bcp.planning.plan_cache import PlanCache
 
@@ -22,17 +21,6 @@ class Runtime:
         #: Two sets: the next save stages into one while the previous one still writes from the other.
         self.buffers = HostBufferPool(max_sets=2)
         self.background = BackgroundLane()
-        self._handed_out: dict[tuple[str, str], int] = {}
-        self._lock = threading.Lock()
-
-    def next_generation(self, location: Location) -> int:
-        """Above every generation on storage and every one this process handed out: an asynchronous
-        save may not have created its folder yet when the next save asks."""
-        key = (location.storage.root, location.prefix)
-        with self._lock:
-            generation = max(location.next_generation(), self._handed_out.get(key, 0) + 1)
-            self._handed_out[key] = generation
-        return generation
 
     def close(self) -> None:
         """Wait for every pending save, then release the lane's thread and the cached plans."""

@@ -82,7 +82,7 @@ class _Collected:
 
 def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options: SaveOptions, coord: Coordinator,
           rt: Runtime) -> SaveHandle:
-    location = resolve(path, options.role)
+    location = resolve(path, options.role, options.keep_generations)
     stats = PhaseStats()
     with stats.phase("collect"):
         collected = Outcome.of(lambda: _collect(state, options))
@@ -161,7 +161,7 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
     def propose() -> list[Any]:
         if collected.error is not None:
             raise collected.error
-        return _Proposal(hit is not None, rt.next_generation(location) if coord.rank == 0 else None).to_wire()
+        return _Proposal(hit is not None, location.claim_next_generation() if coord.rank == 0 else None).to_wire()
 
     proposals = [_Proposal.from_wire(wire) for wire in all_agree(coord, Outcome.of(propose), what)]
     generation = proposals[0].generation

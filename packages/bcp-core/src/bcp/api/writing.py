@@ -11,7 +11,6 @@ from bcp.api.results import PhaseStats
 from bcp.coord import Coordinator
 from bcp.coord.consensus import Outcome, gather_then_reply
 from bcp.engine.writer import GenerationWriter
-from bcp.errors import CheckpointNotCommittedError
 from bcp.layout.manifest import Manifest
 from bcp.layout.write_plan import PieceWrite, ValueWrite
 from bcp.layout.write_report import RankWrites
@@ -22,8 +21,7 @@ def write_generation(coord: Coordinator, writer: GenerationWriter, pieces: Seque
                      stats: PhaseStats, on_written: Callable[[int], None] | None = None) -> None:
     """Collective. Write this rank's ``pieces`` and ``values``; the coordinating rank then builds the
     manifest with ``manifest_of(every rank's report)`` and commits it. A failure on any rank is
-    raised on every rank, and what was written of the generation is removed (unless another writer
-    committed it)."""
+    raised on every rank, and what was written of the (claimed, uncommitted) generation is removed."""
     try:
         with stats.phase("write"):
             written = Outcome.of(lambda: writer.write_rank(coord.rank, pieces, values, on_written))
@@ -38,8 +36,6 @@ def write_generation(coord: Coordinator, writer: GenerationWriter, pieces: Seque
 
         with stats.phase("commit"):
             gather_then_reply(coord, report, commit, f"writing the checkpoint {writer.location.display}")
-    except CheckpointNotCommittedError:
-        raise  # another writer committed this generation: what is there is theirs
     except BaseException:
         if coord.rank == 0:  # every rank has stopped writing: the failure reached it in the exchange
             writer.discard()

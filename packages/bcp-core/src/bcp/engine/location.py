@@ -1,25 +1,39 @@
 """Where a checkpoint lives on storage: generations, the manifest, data files and the commit marker.
 
 A checkpoint path holds generations ``gen-00000001/``, ``gen-00000002/``, ...; saving again writes a
-new generation and the newest committed one is the checkpoint. A generation is committed once its
-``COMMITTED`` marker exists (created last, create-if-absent, no rename needed).
+new generation and the newest committed one is the checkpoint. A writer first claims its generation
+(``CLAIM``, create-if-absent), so two writers never share one; it is committed once its
+``COMMITTED`` marker exists (created last, create-if-absent, no rename needed). After a commit the
+newest ``keep_generations`` committed generations stay, so a reader of the previous one is not
+broken by a concurrent save.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
+import time
 from dataclasses import dataclass
 
 from bcp.engine.checksum import crc_of
-from bcp.errors import CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError
-from bcp.layout.manifest import FORMAT_NAME, FORMAT_VERSION, SHARD_TABLE, Manifest
+from bcp.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
+                        FormatVersionError)
+from bcp.layout.manifest import FORMAT_NAME, SHARD_TABLE, SUPPORTED_VERSIONS, FORMAT_VERSION, Manifest
 from bcp.storage.base import Storage
 
 MANIFEST = "manifest.json"
 COMMIT_MARKER = "COMMITTED"
+CLAIM = "CLAIM"
 DATA_DIR = "data"
-_GENERATION = re.compile(r"^gen-(\d{8})$")
+DEFAULT_KEEP_GENERATIONS = 2
+# A marker is ~150 bytes; a manifest, columnar, is a few MB at thousands of ranks. What a hostile
+# marker may claim is bounded before anything is read.
+MAX_MARKER_BYTES = 4096
+MAX_MANIFEST_BYTES = 256 << 20
+_GENERATION = re.compile(r"gen-(\d{8})")
+_OPEN_TRIES = 3  # a generation removed while being opened is retried on the newest committed one
 
 
 def generation_dir(generation: int) -> str:
@@ -32,25 +46,33 @@ def data_file_name(rank: int, index: int) -> str:
 
 @dataclass(frozen=True)
 class Location:
-    """A checkpoint root on a storage: ``prefix`` is ``""`` or ``"<role>/"``."""
+    """A checkpoint root on a storage: ``prefix`` is ``""`` or ``"<role>/"``. ``keep_generations``
+    committed generations survive each commit (at least 1)."""
 
     storage: Storage
     prefix: str
     display: str
+    keep_generations: int = DEFAULT_KEEP_GENERATIONS
 
     def name(self, generation: int, relative: str) -> str:
         return f"{self.prefix}{generation_dir(generation)}/{relative}"
 
     def generations(self) -> list[int]:
-        found = (_GENERATION.match(n) for n in self.storage.list_dir(self.prefix.rstrip("/")))
+        found = (_GENERATION.fullmatch(n) for n in self.storage.list_dir(self.prefix.rstrip("/")))
         return sorted(int(m.group(1)) for m in found if m)
 
     def is_committed(self, generation: int) -> bool:
         return self.storage.exists(self.name(generation, COMMIT_MARKER))
 
-    def next_generation(self) -> int:
+    def claim_next_generation(self) -> int:
+        """Claim the generation after the newest on storage (create-if-absent of its ``CLAIM``; on
+        a race, the next one): the caller alone writes into the generation returned."""
         existing = self.generations()
-        return existing[-1] + 1 if existing else 1
+        generation = existing[-1] + 1 if existing else 1
+        claim = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "unix": time.time()}).encode()
+        while not self.storage.put_if_absent(self.name(generation, CLAIM), claim):
+            generation += 1
+        return generation
 
     def latest_committed(self) -> int:
         """The newest committed generation; a clear error when there is none."""
@@ -61,7 +83,7 @@ class Location:
         if generations:
             raise CheckpointNotCommittedError(
                 f"no committed checkpoint: generation(s) {generations} were started but never committed "
-                "(the save failed or was interrupted)", path=self.display)
+                "(the save failed, was interrupted or is still running)", path=self.display)
         if self.storage.exists(self.prefix + MANIFEST) or self.storage.exists(self.prefix + COMMIT_MARKER):
             raise CheckpointNotFoundError(
                 "this is a generation folder; pass its parent checkpoint path", path=self.display)
@@ -70,41 +92,113 @@ class Location:
         raise CheckpointNotFoundError("not a bcp checkpoint (no gen-* folders)", path=self.display)
 
     def commit(self, generation: int, manifest: Manifest) -> None:
-        """Write the shard table and the manifest, then the marker that makes the generation visible."""
+        """Write the shard table and the manifest, then the marker that makes the generation visible.
+        The generation must still hold its claim: another writer's retention may have removed it."""
         manifest_bytes, table_bytes = manifest.encode()
+        self._check_claimed(generation)
         self.storage.write_file(self.name(generation, SHARD_TABLE), [memoryview(table_bytes)])
         self.storage.write_file(self.name(generation, MANIFEST), [memoryview(manifest_bytes)])
         marker = {
             "format": FORMAT_NAME, "version": FORMAT_VERSION, "generation": generation,
             "manifest_bytes": len(manifest_bytes), "manifest_crc32c": crc_of(memoryview(manifest_bytes)),
         }
+        self._check_claimed(generation)
         if not self.storage.put_if_absent(self.name(generation, COMMIT_MARKER), json.dumps(marker).encode()):
             raise CheckpointNotCommittedError(
                 f"generation {generation} was committed by another writer", path=self.display)
 
+    def _check_claimed(self, generation: int) -> None:
+        if not self.storage.exists(self.name(generation, CLAIM)):
+            raise CheckpointNotCommittedError(
+                f"{generation_dir(generation)} was removed while it was being written (another writer "
+                "saving to this path committed newer generations and retired it); nothing was committed",
+                path=self.display)
+
+    def read_latest_manifest_files(self) -> tuple[int, bytes, bytes]:
+        """The newest committed generation and its manifest files (see :meth:`read_manifest_files`).
+        A generation that another writer's retention removes while it is opened is skipped for the
+        newest committed one."""
+        for _ in range(_OPEN_TRIES - 1):
+            generation = self.latest_committed()
+            try:
+                return generation, *self.read_manifest_files(generation)
+            except CheckpointNotCommittedError:
+                if self.latest_committed() == generation:
+                    raise
+        generation = self.latest_committed()
+        return generation, *self.read_manifest_files(generation)
+
     def read_manifest_files(self, generation: int) -> tuple[bytes, bytes]:
         """The committed manifest's bytes (checked against the marker) and its shard table's bytes
-        (checked when the manifest is parsed)."""
+        (checked when the manifest is parsed). Sizes are checked before anything is read."""
         where = f"{self.display}/{generation_dir(generation)}"
         try:
-            marker = json.loads(self.storage.read_bytes(self.name(generation, COMMIT_MARKER)))
-            data = self.storage.read_bytes(self.name(generation, MANIFEST))
+            size = self.storage.size(self.name(generation, COMMIT_MARKER))
+            if size > MAX_MARKER_BYTES:
+                raise CorruptCheckpointError(f"commit marker is {size} bytes, not a bcp marker", path=where)
+            marker = _parse_marker(self.storage.read_bytes(self.name(generation, COMMIT_MARKER)), generation, where)
+            size = self.storage.size(self.name(generation, MANIFEST))
+            data = self.storage.read_bytes(self.name(generation, MANIFEST)) if size == marker["manifest_bytes"] else b""
+            if len(data) != marker["manifest_bytes"] or marker["manifest_crc32c"] != crc_of(memoryview(data)):
+                raise CorruptCheckpointError("manifest does not match the checksum in the commit marker", path=where)
             table = self.storage.read_bytes(self.name(generation, SHARD_TABLE))
         except FileNotFoundError as exc:
+            if not self.storage.exists(f"{self.prefix}{generation_dir(generation)}"):
+                raise CheckpointNotCommittedError(
+                    "the generation was removed while it was being opened (a newer save's retention)",
+                    path=where) from None
             raise CheckpointNotCommittedError(f"generation is missing {exc.filename or exc}", path=where) from None
-        except ValueError:
-            raise CorruptCheckpointError("commit marker is not valid JSON", path=where) from None
-        if not isinstance(marker, dict) or marker.get("format") != FORMAT_NAME:
-            raise CorruptCheckpointError("commit marker is not a bcp marker", path=where)
-        if marker.get("manifest_bytes") != len(data) or marker.get("manifest_crc32c") != crc_of(memoryview(data)):
-            raise CorruptCheckpointError("manifest does not match the checksum in the commit marker", path=where)
+        except OSError as exc:
+            raise CorruptCheckpointError(f"cannot read {exc.filename or 'a metadata file'}: {exc.strerror or exc}",
+                                         path=where) from None
         return data, table
 
     def read_manifest(self, generation: int) -> Manifest:
         data, table = self.read_manifest_files(generation)
         return Manifest.decode(data, table, path=f"{self.display}/{generation_dir(generation)}")
 
-    def remove_older_than(self, generation: int) -> None:
-        for older in self.generations():
-            if older < generation:
+    def apply_retention(self, generation: int) -> None:
+        """Retention once ``generation`` is committed: the newest ``keep_generations`` committed
+        generations up to it stay, and so does every newer generation (another writer's save in
+        progress); generations older than the oldest one kept are removed."""
+        generations = self.generations()
+        committed = [g for g in generations if g <= generation and self.is_committed(g)]
+        kept = committed[-max(1, self.keep_generations):]
+        for older in generations:
+            if kept and older < kept[0]:
                 self.storage.delete_tree(f"{self.prefix}{generation_dir(older)}")
+
+    def discard(self, generation: int) -> None:
+        """Best effort after a failed save: remove what was written into ``generation`` unless it is
+        committed. Its claim stays (a few bytes), so the number is never handed out again; the
+        next successful save's retention removes it."""
+        if self.is_committed(generation):
+            return
+        folder = f"{self.prefix}{generation_dir(generation)}"
+        for child in self.storage.list_dir(folder):
+            if child != CLAIM:
+                try:
+                    self.storage.delete_tree(f"{folder}/{child}")
+                except OSError:
+                    pass  # best effort: the save's own error is the one to report
+
+
+def _parse_marker(data: bytes, generation: int, where: str) -> dict:
+    """The commit marker's fields, each checked for type and range."""
+    try:
+        marker = json.loads(data)
+    except (ValueError, RecursionError):
+        raise CorruptCheckpointError("commit marker is not valid JSON", path=where) from None
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError("commit marker is not a bcp marker", path=where)
+    version = marker.get("version")
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:
+        raise FormatVersionError(f"commit marker of format version {version!r}; this bcp reads {SUPPORTED_VERSIONS}",
+                                 path=where)
+    if type(marker.get("generation")) is not int or marker["generation"] != generation:
+        raise CorruptCheckpointError(f"commit marker names generation {marker.get('generation')!r}, "
+                                     f"not {generation}", path=where)
+    size, crc = marker.get("manifest_bytes"), marker.get("manifest_crc32c")
+    if type(size) is not int or not 0 < size <= MAX_MANIFEST_BYTES or type(crc) is not int or not 0 <= crc < 2**32:
+        raise CorruptCheckpointError("commit marker's manifest size or checksum is out of range", path=where)
+    return marker

@@ -132,7 +132,7 @@ class ShardReader:
         try:
             self.location.storage.read_into_many(self.location.name(self.generation, file), where.offset + start, views)
         except FileNotFoundError:
-            raise CorruptCheckpointError(f"data file {file} is missing", path=self.display, key=key) from None
+            raise CorruptCheckpointError(self._missing(file), path=self.display, key=key) from None
         except EOFError:
             raise CorruptCheckpointError(f"data file {file} is truncated", path=self.display, key=key) from None
         except OSError as exc:
@@ -142,7 +142,27 @@ class ShardReader:
 
     def read_object(self, entry: ObjectEntry, rank: int, *, allow_pickle: bool) -> Any:
         where, tree_nbytes = entry.records[entry.ranks[rank]]
+        file = self.manifest.files[where.file]
+        try:  # before allocating what the record claims, the file must hold it
+            stored = self.location.storage.size(self.location.name(self.generation, file))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(self._missing(file), path=self.display, key=entry.name) from None
+        except OSError as exc:
+            raise CorruptCheckpointError(f"data file {file} cannot be read: {exc}", path=self.display,
+                                         key=entry.name) from None
+        if where.offset + where.nbytes > stored:
+            raise CorruptCheckpointError(f"data file {file} is truncated: the value's record ends at byte "
+                                         f"{where.offset + where.nbytes}, the file holds {stored}",
+                                         path=self.display, key=entry.name)
         buffer = bytearray(where.nbytes)
         self.read_range(where, 0, memoryview(buffer), entry.name)
         return decode_value(memoryview(buffer), tree_nbytes, key=entry.name, path=self.display,
                             allow_pickle=allow_pickle)
+
+    def _missing(self, file: str) -> str:
+        """Why a data file is not there: its whole generation was removed (a newer save's retention),
+        or the file alone is missing (damage)."""
+        if self.generation not in self.location.generations():
+            return (f"data file {file} is gone with its generation, which a newer save's retention removed "
+                    "while it was being read; load again to read the newest checkpoint")
+        return f"data file {file} is missing"

@@ -18,7 +18,7 @@ import torch
 
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import chunk_crcs
-from bcp.engine.location import Location, data_file_name, generation_dir
+from bcp.engine.location import Location, data_file_name
 from bcp.errors import CheckpointError, StorageError
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.write_plan import PieceWrite, ValueWrite
@@ -70,14 +70,11 @@ class GenerationWriter:
         """Make the generation visible (shard table, manifest, then the commit marker), then remove
         the generations older than it."""
         self.location.commit(self.generation, manifest)
-        self.location.remove_older_than(self.generation)
+        self.location.apply_retention(self.generation)
 
     def discard(self) -> None:
-        """Remove what was written of this (uncommitted) generation, best effort."""
-        try:
-            self.location.storage.delete_tree(f"{self.location.prefix}{generation_dir(self.generation)}")
-        except OSError:
-            pass
+        """Remove what was written of this generation (never a committed one), best effort."""
+        self.location.discard(self.generation)
 
     def _write_file(self, name: str, file_index: int, items: list[_Item],
                     on_written: Callable[[int], None] | None) -> tuple[list[PieceRecord], list[ValueRecord]]:

@@ -8,6 +8,7 @@ of a second, and every field is validated on read: a hostile manifest yields a
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,11 @@ FORMAT_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 CHECKSUM_ALGORITHM = "crc32c"
 DEFAULT_CHECKSUM_CHUNK = 1 << 20
+# Every integer of the format is an int64; sizes and element counts must fit one.
+INT64_MAX = 2**63 - 1
+# Bounds on what metadata may claim, so a small hostile manifest cannot cost much memory.
+MAX_NDIM = 1024
+MAX_CHECKSUM_CHUNK = 1 << 40
 
 
 class TensorEntry:
@@ -174,10 +180,12 @@ class _ManifestParser:
             doc = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise self.fail(f"not valid JSON ({exc})") from None
+        except RecursionError:
+            raise self.fail("JSON nested too deeply") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise self.fail("not a bcp manifest")
         version = doc.get("version")
-        if version not in SUPPORTED_VERSIONS:
+        if type(version) is not int or version not in SUPPORTED_VERSIONS:
             raise FormatVersionError(
                 f"format version {version!r} is not readable by this bcp (reads {SUPPORTED_VERSIONS}); "
                 "upgrade bcp",
@@ -190,7 +198,7 @@ class _ManifestParser:
         if not isinstance(files, list) or not all(isinstance(f, str) and _safe_relpath(f) for f in files):
             raise self.fail("'files' must be a list of relative paths inside the checkpoint")
         self.nfiles = len(files)
-        self.chunk = self.int_of(checksum, "chunk_bytes", minimum=1)
+        self.chunk = self.int_of(checksum, "chunk_bytes", minimum=1, maximum=MAX_CHECKSUM_CHUNK)
         world_size = self.int_of(doc, "world_size", minimum=1)
         table = self.table(self.dict_of(doc, "shard_table"), table_bytes)
         return Manifest(
@@ -202,13 +210,14 @@ class _ManifestParser:
             tensors=self.tensors(self.dict_of(doc, "tensors"), table),
             objects={n: self.object(n, e, world_size) for n, e in self.dict_of(doc, "objects").items()},
             checksum_chunk=self.chunk,
-            unsafe_pickle=bool(doc.get("unsafe_pickle", False)),
-            created_unix=float(doc.get("created_unix", 0.0)),
-            writer=str(doc.get("writer", "")),
+            unsafe_pickle=self.optional(doc, "unsafe_pickle", (bool,), False),
+            created_unix=float(self.optional(doc, "created_unix", (int, float), 0.0)),
+            writer=self.optional(doc, "writer", (str,), ""),
         )
 
     def table(self, spec: dict, data: bytes) -> ShardTable:
-        count, ndim = self.int_of(spec, "count", minimum=0), self.int_of(spec, "ndim", minimum=0)
+        count = self.int_of(spec, "count", minimum=0)
+        ndim = self.int_of(spec, "ndim", minimum=0, maximum=MAX_NDIM)
         if spec.get("nbytes") != len(data) or spec.get("crc32c") != crc32c(data):
             raise self.fail("the shard table does not match its size and checksum in the manifest")
         try:
@@ -218,7 +227,8 @@ class _ManifestParser:
         first = table.crc_first
         if (first[0] != 0 or first[-1] != len(table.crcs) or np.any(np.diff(first) < 0)
                 or np.any(table.file < 0) or np.any(table.file >= self.nfiles)
-                or np.any(table.offset < 0) or np.any(table.nbytes < 0)):
+                or np.any(table.offset < 0) or np.any(table.nbytes < 0)
+                or np.any(table.offset > INT64_MAX - table.nbytes)):
             raise self.fail("shard table rows hold out-of-range files, offsets or checksum indices")
         if np.any(np.diff(first) != np.maximum(1, -(-table.nbytes // self.chunk))):
             raise self.fail("a shard's checksum count does not match its size")
@@ -240,6 +250,8 @@ class _ManifestParser:
             if size is None:
                 size = itemsizes[dtype] = self.itemsize_of(dtype, name)
             shape = self.ints(entry.get("shape"), name, "shape")
+            if len(shape) > MAX_NDIM or math.prod(shape) * size > INT64_MAX:
+                raise self.fail(f"shape {list(shape)} is too large for an int64 byte count", name)
             rows = self.ints(entry.get("shards"), name, "shards")
             if len(rows) != 2 or rows[0] != position or position + rows[1] > table.count \
                     or (rows[1] and len(shape) > table.ndim):
@@ -258,7 +270,9 @@ class _ManifestParser:
         rows_ndim = np.repeat(np.array(ndims, dtype=np.int64), counts)
         rows_itemsize = np.repeat(np.array(sizes, dtype=np.int64), counts)
         padding = np.arange(table.ndim)[None, :] >= rows_ndim[:, None]
-        outside = np.any((table.offsets < 0) | (table.lengths < 0) | (table.offsets + table.lengths > rows_shape)
+        # offsets <= shape and lengths <= shape - offsets: never an int64 sum that could wrap
+        outside = np.any((table.offsets < 0) | (table.lengths < 0) | (table.offsets > rows_shape)
+                         | (table.lengths > rows_shape - table.offsets)
                          | (padding & ((table.offsets != 0) | (table.lengths != 1))), axis=1)
         if np.any(outside):
             row = int(np.argmax(outside))
@@ -272,30 +286,36 @@ class _ManifestParser:
         if not isinstance(entry, dict):
             raise self.fail("object entry is not an object", name)
         records = []
-        for row in entry.get("records", ()):
+        rows = entry.get("records")
+        if type(rows) is not list:
+            raise self.fail("object 'records' must be a list", name)
+        for row in rows:
             if not isinstance(row, list) or len(row) != 5:
                 raise self.fail("malformed object record", name)
             rng = self.byte_range(row[0], row[1], row[2], row[4], name)
             tree = row[3]
-            if not isinstance(tree, int) or not 0 <= tree <= rng.nbytes:
+            if type(tree) is not int or not 0 <= tree <= rng.nbytes:
                 raise self.fail("object tree length out of range", name)
             records.append((rng, tree))
         ranks = entry.get("ranks")
         if (
             not isinstance(ranks, list)
             or len(ranks) != world_size
-            or not all(isinstance(r, int) and -1 <= r < len(records) for r in ranks)
+            or not all(type(r) is int and -1 <= r < len(records) for r in ranks)
         ):
             raise self.fail("object 'ranks' must index its records once per saved rank", name)
         return ObjectEntry(name, records, ranks)
 
     def byte_range(self, file: Any, offset: Any, nbytes: Any, crcs: Any, name: str) -> ByteRange:
-        if not (isinstance(file, int) and 0 <= file < self.nfiles):
+        if not (type(file) is int and 0 <= file < self.nfiles):
             raise self.fail(f"file index {file!r} out of range", name)
-        if not (isinstance(offset, int) and isinstance(nbytes, int) and offset >= 0 and nbytes >= 0):
-            raise self.fail("byte offset/length must be non-negative integers", name)
-        if not isinstance(crcs, list) or not all(isinstance(c, int) and 0 <= c < 2**32 for c in crcs):
+        if not (type(offset) is int and type(nbytes) is int and offset >= 0 and nbytes >= 0
+                and offset + nbytes <= INT64_MAX):
+            raise self.fail("byte offset/length must be non-negative int64 integers", name)
+        if not isinstance(crcs, list) or not all(type(c) is int and 0 <= c < 2**32 for c in crcs):
             raise self.fail("checksums must be a list of 32-bit integers", name)
+        if len(crcs) != max(1, -(-nbytes // self.chunk)):
+            raise self.fail("a record's checksum count does not match its size", name)
         return ByteRange(file, offset, nbytes, tuple(crcs))
 
     def itemsize_of(self, dtype: Any, name: str) -> int:
@@ -306,8 +326,9 @@ class _ManifestParser:
 
     def ints(self, value: Any, name: str, what: str) -> tuple[int, ...]:
         # ``type(v) is int`` also refuses bools; checked per tensor, so kept to two passes in C
-        if type(value) is not list or not all(type(v) is int for v in value) or min(value, default=0) < 0:
-            raise self.fail(f"'{what}' must be a list of non-negative integers", name)
+        if (type(value) is not list or not all(type(v) is int for v in value) or min(value, default=0) < 0
+                or max(value, default=0) > INT64_MAX):
+            raise self.fail(f"'{what}' must be a list of non-negative int64 integers", name)
         return tuple(value)
 
     def dict_of(self, doc: dict, key: str) -> dict:
@@ -316,10 +337,17 @@ class _ManifestParser:
             raise self.fail(f"'{key}' must be an object")
         return value
 
-    def int_of(self, doc: dict, key: str, minimum: int) -> int:
+    def int_of(self, doc: dict, key: str, minimum: int, maximum: int = INT64_MAX) -> int:
         value = doc.get(key)
-        if not isinstance(value, int) or value < minimum:
-            raise self.fail(f"'{key}' must be an integer >= {minimum}")
+        if type(value) is not int or not minimum <= value <= maximum:
+            raise self.fail(f"'{key}' must be an integer in [{minimum}, {maximum}]")
+        return value
+
+    def optional(self, doc: dict, key: str, types: tuple[type, ...], default: Any) -> Any:
+        """An optional field of one of ``types`` (exactly: a bool is not an int here), else ``default``."""
+        value = doc.get(key, default)
+        if type(value) not in types or (type(value) is float and not math.isfinite(value)):
+            raise self.fail(f"'{key}' must be of type {' or '.join(t.__name__ for t in types)}")
         return value
 
     def str_of(self, doc: dict, key: str) -> str:
@@ -331,4 +359,5 @@ class _ManifestParser:
 
 def _safe_relpath(name: str) -> bool:
     parts = name.split("/")
-    return bool(name) and not name.startswith("/") and "\\" not in name and all(p not in ("", ".", "..") for p in parts)
+    return (bool(name) and not name.startswith("/") and "\\" not in name and min(map(ord, name)) >= 0x20
+            and all(p not in ("", ".", "..") for p in parts))

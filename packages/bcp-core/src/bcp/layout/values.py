@@ -18,7 +18,9 @@ import numpy as np
 import torch
 
 from bcp.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
-from bcp.layout.dtypes import dtype_from_name, dtype_name
+from bcp.layout.dtypes import dtype_from_name, dtype_name, itemsize
+
+_MAX_NDIM = 1024  # as for tensors in the shard table: a record's shape cannot cost much memory
 
 
 class EncodedValue:
@@ -45,12 +47,21 @@ def encode_value(value: Any, *, key: str, allow_pickle: bool = False) -> Encoded
 
 def decode_value(record: memoryview, tree_nbytes: int, *, key: str, path: str | None,
                  allow_pickle: bool = False) -> Any:
-    """Rebuild a value from one record (tree JSON + blobs). Tensors come back on the CPU."""
+    """Rebuild a value from one record (tree JSON + blobs). Tensors come back on the CPU. A
+    malformed record fails with ``CorruptCheckpointError``, whatever it holds."""
     try:
         tree = json.loads(bytes(record[:tree_nbytes]))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise CorruptCheckpointError("value record is not valid JSON", path=path, key=key) from None
-    return _Decoder(record[tree_nbytes:], key, path, allow_pickle).decode(tree)
+    decoder = _Decoder(record[tree_nbytes:], key, path, allow_pickle)
+    try:
+        return decoder.decode(tree)
+    except RecursionError:
+        raise decoder.fail("nested too deeply") from None
+    except (TypeError, ValueError, RuntimeError, OverflowError, IndexError) as exc:
+        # The tags below check what they build on; this catches what their types' constructors
+        # refuse (an unhashable key, a complex of three parts, an unknown device name).
+        raise decoder.fail(f"{type(exc).__name__}: {exc}") from None
 
 
 class _Encoder:
@@ -139,7 +150,7 @@ class _Decoder:
         return CorruptCheckpointError(f"malformed value record: {what}", path=self.path, key=self.key)
 
     def blob(self, at: Any) -> memoryview:
-        if (not isinstance(at, list) or len(at) != 2 or not all(isinstance(x, int) and x >= 0 for x in at)
+        if (not isinstance(at, list) or len(at) != 2 or not all(type(x) is int and x >= 0 for x in at)
                 or at[0] + at[1] > self.blobs.nbytes):
             raise self.fail(f"blob reference {at!r} out of range")
         return self.blobs[at[0]: at[0] + at[1]]
@@ -192,32 +203,34 @@ class _Decoder:
             raise self.fail(f"dtype {body!r}") from None
 
     def tag_device(self, body: Any) -> torch.device:
-        return torch.device(str(body))
+        return torch.device(self.text(body, "device"))
 
     def tag_size(self, body: Any) -> torch.Size:
         return torch.Size(self.decode(body))
 
     def tag_path(self, body: Any) -> pathlib.Path:
-        return pathlib.Path(str(body))
+        return pathlib.Path(self.text(body, "path"))
+
+    def text(self, body: Any, what: str) -> str:
+        if not isinstance(body, str):
+            raise self.fail(f"{what} must be a string")
+        return body
 
     def tag_tensor(self, body: Any) -> torch.Tensor:
         dtype = self.tag_dtype(body.get("dtype") if isinstance(body, dict) else None)
-        shape = body.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise self.fail("tensor shape")
+        shape = self.shape(body, "tensor")
         data = self.blob(body.get("at"))
-        out = torch.empty(shape, dtype=dtype)
-        if data.nbytes != out.numel() * out.element_size():
+        # compared before allocating: a record may claim any shape
+        if data.nbytes != math.prod(shape) * itemsize(dtype):
             raise self.fail("tensor byte length does not match its shape and dtype")
+        out = torch.empty(shape, dtype=dtype)
         if data.nbytes:
             out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(data, dtype=np.uint8)
         return out
 
     def tag_ndarray(self, body: Any) -> np.ndarray:
         dtype = self.np_dtype(body)
-        shape = body.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise self.fail("array shape")
+        shape = self.shape(body, "array")
         data = self.blob(body.get("at"))
         if data.nbytes != math.prod(shape) * dtype.itemsize:
             raise self.fail("array byte length does not match its shape and dtype")
@@ -229,6 +242,13 @@ class _Decoder:
         if data.nbytes != dtype.itemsize:
             raise self.fail("numpy scalar length")
         return np.frombuffer(data, dtype=dtype)[0]
+
+    def shape(self, body: dict, what: str) -> list[int]:
+        shape = body.get("shape")
+        if (type(shape) is not list or len(shape) > _MAX_NDIM
+                or not all(type(s) is int and 0 <= s < 2**63 for s in shape)):
+            raise self.fail(f"{what} shape")
+        return shape
 
     def np_dtype(self, body: Any) -> np.dtype:
         try:

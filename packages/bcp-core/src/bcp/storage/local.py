@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Iterable, Sequence
 
@@ -15,10 +17,17 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16
 _WRITE_BATCH_BYTES = 1 << 20
 
 
+# Reads open only regular files, without following a symbolic link at the last component: a FIFO
+# would block open() and read() forever, a device (/dev/zero) never ends, and a link could lead
+# outside the checkpoint. O_NONBLOCK makes opening a FIFO return at once so that it can be refused.
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
 class LocalStorage(Storage):
     """Files under a directory. Writes are fsync'd (file and directory) before they return, reads
     use ``preadv`` straight into the caller's memory (many buffers per call), so one file can be read
-    by many threads."""
+    by many threads. Only regular files are read (``OSError`` otherwise); a failed write removes
+    its partial file, so that a full disk is not left fuller."""
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = os.path.abspath(os.fspath(root))
@@ -31,18 +40,13 @@ class LocalStorage(Storage):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            batch: list[memoryview] = []
-            pending = 0
-            for chunk in chunks:
-                batch.append(_flat_bytes(chunk))
-                pending += chunk.nbytes
-                if len(batch) == _IOV_MAX or pending >= _WRITE_BATCH_BYTES:
-                    _write_all(fd, batch)
-                    batch, pending = [], 0
-            _write_all(fd, batch)
+            _write_chunks(fd, chunks)
             os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            _unlink_quietly(path)
+            raise
+        os.close(fd)
         _fsync_dir(os.path.dirname(path))
 
     def put_if_absent(self, name: str, data: bytes) -> bool:
@@ -64,7 +68,7 @@ class LocalStorage(Storage):
 
     def read_into_many(self, name: str, offset: int, dests: Sequence[memoryview]) -> None:
         views = [_flat_bytes(d) for d in dests if d.nbytes]
-        fd = os.open(self._path(name), os.O_RDONLY)
+        fd = _open_regular(self._path(name))
         try:
             while views:
                 got = os.preadv(fd, views[:_IOV_MAX], offset)
@@ -76,14 +80,26 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def read_bytes(self, name: str) -> bytes:
-        with open(self._path(name), "rb") as f:
-            return f.read()
+        fd = _open_regular(self._path(name))
+        try:
+            size = os.fstat(fd).st_size  # what the file held when opened: memory bounded by its size
+            data = bytearray(size)
+            view, got = memoryview(data), 0
+            while got < size and (n := os.preadv(fd, [view[got:]], got)):
+                got += n
+            return bytes(view[:got])
+        finally:
+            os.close(fd)
 
     def exists(self, name: str) -> bool:
         return os.path.exists(self._path(name))
 
     def size(self, name: str) -> int:
-        return os.path.getsize(self._path(name))
+        """The size of a regular file; ``OSError`` for anything else (a link, a FIFO, a device)."""
+        info = os.lstat(self._path(name))
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", name)
+        return info.st_size
 
     def list_dir(self, prefix: str) -> list[str]:
         try:
@@ -93,10 +109,38 @@ class LocalStorage(Storage):
 
     def delete_tree(self, prefix: str) -> None:
         path = self._path(prefix)
-        if os.path.isdir(path):
+        if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
-        elif os.path.exists(path):
+        elif os.path.lexists(path):
             os.unlink(path)
+
+
+def _open_regular(path: str) -> int:
+    fd = os.open(path, _READ_FLAGS)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return fd
+
+
+def _write_chunks(fd: int, chunks: Iterable[memoryview]) -> None:
+    """Small chunks gathered into one writev call, large ones written alone."""
+    batch: list[memoryview] = []
+    pending = 0
+    for chunk in chunks:
+        batch.append(_flat_bytes(chunk))
+        pending += chunk.nbytes
+        if len(batch) == _IOV_MAX or pending >= _WRITE_BATCH_BYTES:
+            _write_all(fd, batch)
+            batch, pending = [], 0
+    _write_all(fd, batch)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass  # best effort: the write's own error is the one to report
 
 
 def _fsync_dir(path: str) -> None:

@@ -78,7 +78,7 @@ def write_checkpoint(out: "str | os.PathLike", pieces: Sequence[PieceSource], va
     share another tensor's stored bytes, as tied weights do. A failure removes what was written.
     Memory holds about one piece per writer thread (``io_threads``, by default one)."""
     location = resolve(check_new_output(out, sources), None)
-    generation = location.next_generation()
+    generation = location.claim_next_generation()
     columns = PlanColumns([_local_plan(pieces)])
     global_plan(columns)  # checks that the pieces agree on dtype and shape and cover every tensor exactly
     writes = [PieceWrite(i, None, _checked(piece), piece.nbytes) for i, piece in enumerate(pieces)]

@@ -84,7 +84,8 @@ class _Verifier:
         yield from ((name, r) for name, e in self.manifest.objects.items() for r, _ in e.records)
 
     def check_files(self) -> None:
-        """Each data file exists and reaches the end of every range stored in it (one problem per file)."""
+        """Each data file is a regular file that ends where the last range stored in it ends: shorter
+        is truncation, longer is something appended (one problem per file)."""
         needed = [0] * len(self.manifest.files)
         users: list[set[str]] = [set() for _ in self.manifest.files]
         for name, r in self.ranges():
@@ -94,12 +95,22 @@ class _Verifier:
         for index, file in enumerate(self.manifest.files):
             name = location.name(self.checkpoint.generation, file)
             affected = f"holds data of {len(users[index])} entries, e.g. {sorted(users[index])[:3]}"
-            if not storage.exists(name):
+            try:
+                size = storage.size(name)
+            except FileNotFoundError:
                 self.problem(None, f"data file {file} is missing ({affected})")
                 self.bad_files.add(index)
-            elif (size := storage.size(name)) < needed[index]:
+                continue
+            except OSError as exc:
+                self.problem(None, f"data file {file} cannot be read: {exc.strerror or exc} ({affected})")
+                self.bad_files.add(index)
+                continue
+            if size < needed[index]:
                 self.problem(None, f"data file {file} is truncated: {size} bytes, needs {needed[index]} ({affected})")
                 self.bad_files.add(index)
+            elif size > needed[index]:
+                self.problem(None, f"data file {file} has {size - needed[index]} bytes after its last stored "
+                                   f"range (appended or not written by bcp)")
 
     def check_coverage(self, name: str, entry: Any) -> None:
         boxes = [s.box for s in entry.shards]
