@@ -8,14 +8,26 @@ class CheckpointError(Exception):
     """Base class of every bcp error. ``path`` names the checkpoint, ``key`` the tensor or entry."""
 
     def __init__(self, message: str, *, path: str | None = None, key: str | None = None) -> None:
+        self.message = message
         self.path = path
         self.key = key
+        super().__init__(self._formatted())
+
+    def at(self, path: str) -> "CheckpointError":
+        """This error, naming checkpoint ``path`` if it named none (raised where the path is unknown,
+        as in an adapter)."""
+        if self.path is None:
+            self.path = path
+            self.args = (self._formatted(),)
+        return self
+
+    def _formatted(self) -> str:
         where = []
-        if path is not None:
-            where.append(f"checkpoint {path!r}")
-        if key is not None:
-            where.append(f"entry {key!r}")
-        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        if self.path is not None:
+            where.append(f"checkpoint {self.path!r}")
+        if self.key is not None:
+            where.append(f"entry {self.key!r}")
+        return f"{self.message} ({', '.join(where)})" if where else self.message
 
 
 class CheckpointNotFoundError(CheckpointError):

@@ -24,7 +24,7 @@ from bcp.api.results import LoadResult, PhaseStats
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
 from bcp.engine.redistribute import read_and_share
-from bcp.errors import MismatchError
+from bcp.errors import CheckpointError, MismatchError
 from bcp.layout.piece import Piece
 from bcp.layout.read_op import ReadOp, ReadRequest, ReadRole
 from bcp.layout.shards import is_tensor_value
@@ -56,20 +56,16 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
     manifest = checkpoint.manifest
     result = LoadResult(checkpoint.path, checkpoint.generation, manifest.world_size, manifest.framework,
                         stats=stats)
-    adapter = adapter_for(state, options.framework) if any(k in state for k in RESHARDED) else None
     with stats.phase("plan"):
-        planned = Outcome.of(lambda: _plan(state, adapter, checkpoint, result, options))
+        planned = Outcome.of(lambda: _plan(state, checkpoint, result, options))
+    if isinstance(planned.error, CheckpointError):
+        planned.error.at(checkpoint.path)
     roles = _read_once_roles(coord, planned, checkpoint) if options.read_once else None
     read = Outcome.of(lambda: _read(planned, checkpoint, roles, coord, result, options.allow_pickle))
     stats.bytes = checkpoint.reader.bytes_read
-    left_over = Outcome(bool(planned.value.names.left_over) if read.error is None else None, read.error)
-    if any(all_agree(coord, left_over, f"loading {checkpoint.path}")):
-        result.unexpected = unexpected_across_ranks(coord, Outcome.of(lambda: planned.value.names), checkpoint)
-        if options.strict and result.unexpected:
-            raise MismatchError(f"strict load: in the checkpoint but wanted by no rank: {listing(result.unexpected)} "
-                                "(pass strict=False to load the overlap)", path=checkpoint.path)
+    _agree_on_reading(coord, planned, read, checkpoint, result, options.strict)
     with stats.phase("apply"):
-        applied = Outcome.of(lambda: _apply(state, adapter, planned.value, read.value))
+        applied = Outcome.of(lambda: _apply(state, planned.value, read.value))
         all_agree(coord, applied, f"restoring the state loaded from {checkpoint.path}")
     return result
 
@@ -79,6 +75,7 @@ class _Plan:
     """What the live state wants: its values by name, the reads that fill its tensors, and the names
     of the values to decode."""
 
+    adapter: FrameworkAdapter | None
     wanted: dict[str, Any]
     names: NameMatch
     ops: list[ReadOp] = field(default_factory=list)
@@ -87,11 +84,11 @@ class _Plan:
     staged: list[tuple[Piece, torch.Tensor]] = field(default_factory=list)
 
 
-def _plan(state: dict[str, Any], adapter: FrameworkAdapter | None, checkpoint: Checkpoint, result: LoadResult,
-          options: LoadOptions) -> _Plan:
+def _plan(state: dict[str, Any], checkpoint: Checkpoint, result: LoadResult, options: LoadOptions) -> _Plan:
     manifest = checkpoint.manifest
+    adapter = adapter_for(state, options.framework) if any(k in state for k in RESHARDED) else None
     wanted = collect(state, adapter, for_load=True)
-    plan = _Plan(wanted, match_names(wanted, checkpoint, options.strict))
+    plan = _Plan(adapter, wanted, match_names(wanted, checkpoint, options.strict))
     result.loaded, result.missing = plan.names.loaded, plan.names.missing
     pieces: list[Piece] = []
     for name in result.loaded:
@@ -149,9 +146,21 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
     return loaded
 
 
-def _apply(state: dict[str, Any], adapter: FrameworkAdapter | None, plan: _Plan, loaded: dict[str, Any]) -> None:
+def _agree_on_reading(coord: Coordinator, planned: Outcome, read: Outcome, checkpoint: Checkpoint,
+                      result: LoadResult, strict: bool) -> None:
+    """Collective: every rank read and verified its share, and every saved name of a requested
+    component is wanted by some rank (asked only when a rank has names left over)."""
+    left_over = Outcome(bool(planned.value.names.left_over) if read.error is None else None, read.error)
+    if any(all_agree(coord, left_over, f"loading {checkpoint.path}")):
+        result.unexpected = unexpected_across_ranks(coord, Outcome.of(lambda: planned.value.names), checkpoint)
+        if strict and result.unexpected:
+            raise MismatchError(f"strict load: in the checkpoint but wanted by no rank: {listing(result.unexpected)} "
+                                "(pass strict=False to load the overlap)", path=checkpoint.path)
+
+
+def _apply(state: dict[str, Any], plan: _Plan, loaded: dict[str, Any]) -> None:
     """Every rank has read and verified everything: place staged bytes into the live tensors, then
     give the values back to the live objects."""
     for piece, staging in plan.staged:
         piece.tensor.copy_(staging)
-    apply(state, adapter, loaded)
+    apply(state, plan.adapter, loaded)

@@ -27,6 +27,7 @@ from bcp.engine.checksum import crc_of
 from bcp.engine.location import Location
 from bcp.engine.staging import stage, staged_nbytes
 from bcp.engine.writer import GenerationWriter
+from bcp.errors import CheckpointError
 from bcp.layout.local_plan import LocalPlan
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.piece import Piece
@@ -85,7 +86,7 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
     location = resolve(path, options.role, options.keep_generations)
     stats = PhaseStats()
     with stats.phase("collect"):
-        collected = Outcome.of(lambda: _collect(state, options))
+        collected = Outcome.of(lambda: _collect(state, options, location.display))
     with stats.phase("plan"):
         generation, plan = _agree_on_plan(coord, location, collected, rt, cache=not options.verify_replicas)
     pieces = writes_of(collected.value.pieces, plan.writes)
@@ -114,9 +115,16 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
     return SaveHandle(location.display, generation, stats, rt.background.submit(job))
 
 
-def _collect(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
+def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> _Collected:
     """The adapter's view of the state: pieces of the resharded components' tensors, and every other
     value encoded (and copied, so an asynchronous save is unaffected by later changes)."""
+    try:
+        return _collected(state, options)
+    except CheckpointError as exc:
+        raise exc.at(path)
+
+
+def _collected(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
     adapter = adapter_for(state, options.framework) if any(k in state for k in RESHARDED) else None
     tensors: list[tuple[str, Any, tuple[int, ...]]] = []
     pieces: list[Piece] = []
