@@ -16,6 +16,7 @@ from bcp.adapters import adapter_for
 from bcp.api.components import RESHARDED, check_keys, collect
 from bcp.api.gc_pause import paused_gc
 from bcp.api.location import resolve
+from bcp.api.metrics import Monitor
 from bcp.api.options import SaveOptions
 from bcp.api.results import PhaseStats, SaveHandle
 from bcp.api.runtime import Runtime, runtime
@@ -82,36 +83,43 @@ class _Collected:
 
 def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options: SaveOptions, coord: Coordinator,
           rt: Runtime) -> SaveHandle:
-    location = resolve(path, options.role)
     stats = PhaseStats()
-    with stats.phase("collect"):
-        collected = Outcome.of(lambda: _collect(state, options))
-    with stats.phase("plan"):
-        generation, plan = _agree_on_plan(coord, location, collected, rt, cache=not options.verify_replicas)
-    pieces = writes_of(collected.value.pieces, plan.writes)
-    writer = GenerationWriter(location, generation, threads=options.io_threads)
-    manifest_of = _manifest_builder(generation, collected.value.framework, plan)
-    values = collected.value.values
-    if not options.async_save:
-        write_generation(coord, writer, pieces, values, manifest_of, stats)
-        return SaveHandle(location.display, generation, stats)
+    monitor = Monitor("save", coord.rank, coord.world_size, stats, options.topology, options.metrics_log)
+    try:
+        monitor.location = location = resolve(path, options.role)
+        with stats.phase("collect"):
+            collected = Outcome.of(lambda: _collect(state, options))
+        with stats.phase("plan"):
+            generation, plan = _agree_on_plan(coord, location, collected, rt, cache=not options.verify_replicas)
+        monitor.generation = generation
+        pieces = writes_of(collected.value.pieces, plan.writes)
+        writer = GenerationWriter(location, generation, threads=options.io_threads)
+        manifest_of = _manifest_builder(generation, collected.value.framework, plan)
+        values = collected.value.values
+        if not options.async_save:
+            write_generation(coord, writer, pieces, values, manifest_of, stats, monitor=monitor)
+            return SaveHandle(location.display, generation, stats, monitor=monitor)
 
-    background_coord = coord.sibling()  # collective: before the background thread needs it
-    with stats.phase("stage"):
-        buffer = rt.buffers.acquire(staged_nbytes(pieces))
-        try:
-            pieces = stage(pieces, buffer)
-        except BaseException:
-            rt.buffers.release(buffer)
-            raise
+        background_coord = coord.sibling()  # collective: before the background thread needs it
+        with stats.phase("stage"):
+            buffer = rt.buffers.acquire(staged_nbytes(pieces))
+            try:
+                pieces = stage(pieces, buffer)
+            except BaseException:
+                rt.buffers.release(buffer)
+                raise
+    except BaseException as exc:
+        monitor.fail(None, exc)  # no-op where the writer door recorded it, and on ranks other than 0
+        raise
+    monitor.returned()
 
     def job() -> None:
         try:
-            write_generation(background_coord, writer, pieces, values, manifest_of, stats)
+            write_generation(background_coord, writer, pieces, values, manifest_of, stats, monitor=monitor)
         finally:
             rt.buffers.release(buffer)
 
-    return SaveHandle(location.display, generation, stats, rt.background.submit(job))
+    return SaveHandle(location.display, generation, stats, rt.background.submit(job), monitor)
 
 
 def _collect(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
