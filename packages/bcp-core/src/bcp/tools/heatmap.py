@@ -101,8 +101,7 @@ def draw_heatmap(summary: Report, path: "str | os.PathLike", dpi: int = 100) -> 
     width = min(4.0 + 1.1 * n_columns * n_panels, 40.0)
     height = min(2.6 + 0.75 * n_rows, 30.0)
     fig, axes = plt.subplots(1, n_panels, figsize=(width, height), dpi=dpi, squeeze=False, layout="constrained")
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("lightgrey")  # no rank at these coordinates
+    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")  # grey: no rank at these coordinates
     image = None
     for p, ax in enumerate(axes[0]):
         image = ax.imshow(grids[p], cmap=cmap, vmin=low, vmax=high if high > low else low + 1e-9, aspect="auto")
