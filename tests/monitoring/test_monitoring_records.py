@@ -42,6 +42,13 @@ def test_no_log_file_unless_asked_and_a_named_log_file(tmp_path):
     assert [r["op"] for r in read_records(tmp_path / "logs" / "m.jsonl")] == ["save"]
 
 
+def test_the_log_of_a_role_lies_in_its_folder(tmp_path, capsys):
+    bcp.save(tmp_path, {"model": {"w": torch.ones(4)}}, role="actor", metrics_log=True)
+    assert (tmp_path / "actor" / METRICS_LOG).exists()
+    assert main(["report", str(tmp_path), "--role", "actor", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["path"] == f"{tmp_path}/actor"
+
+
 def test_a_line_being_written_is_skipped(tmp_path):
     log = tmp_path / "m.jsonl"
     complete = json.dumps(simulated(4).to_json())

@@ -57,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="bcp", description="Inspect, verify, export, convert and edit bcp checkpoints.", epilog=_EPILOG,
+        prog="bcp", description="Inspect, verify, export, convert and edit bcp checkpoints; report on saves and loads.",
+        epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     monitor = _command(commands, "report", _report, "where a save's or load's time went, per rank and phase")
     monitor.add_argument("path", metavar="PATH|LOG", help="checkpoint folder holding bcp-metrics.jsonl, or a log")
+    monitor.add_argument("--role", help="role sub-checkpoint whose log to read (as passed to bcp.save)")
     monitor.add_argument("--index", type=int, default=-1, help="which operation of the log (default: -1, the last)")
     monitor.add_argument("--op", choices=["save", "load"], help="count only saves or only loads")
     monitor.add_argument("--phase", help="phase to colour the heat map and rank the slowest ranks by, or 'total' "
@@ -211,8 +213,9 @@ def _edit(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    summary = report(args.path, index=args.index, op=args.op, phase=args.phase, heatmap=args.heatmap,
-                     trace=args.trace, gantt=args.gantt, ranks=args.ranks)
+    source = os.path.join(args.path, args.role) if args.role else args.path
+    summary = report(source, index=args.index, op=args.op, phase=args.phase, heatmap=args.heatmap, trace=args.trace,
+                     gantt=args.gantt, ranks=args.ranks)
     print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.format())
     for what, written in (("heat map", args.heatmap), ("Gantt chart", args.gantt), ("trace", args.trace)):
         if written and not args.json:

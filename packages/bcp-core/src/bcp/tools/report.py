@@ -62,10 +62,10 @@ class Report:
     def format(self) -> str:
         record = self.record
         rate = record.bytes / record.seconds / 1e9 if record.seconds > 0 else 0.0
-        lines = [f"bcp {record.op} {record.path} generation {record.generation}: "
-                 f"{'ok' if record.ok else 'FAILED in phase ' + str(record.failed_phase)}, {record.world_size} "
-                 f"rank(s), {human_bytes(record.bytes)} in {record.seconds:.3f} s ({rate:.2f} GB/s), blocking "
-                 f"{record.blocking_seconds:.3f} s"]
+        outcome = "ok" if record.ok else f"FAILED in phase {record.failed_phase}"
+        lines = [(f"bcp {record.op} {record.path} generation {record.generation}: {outcome}, {record.world_size} "
+                  f"rank(s), {human_bytes(record.bytes)} in {record.seconds:.3f} s ({rate:.2f} GB/s), blocking "
+                  f"{record.blocking_seconds:.3f} s")]
         if record.error:
             lines.append(f"  error: {record.error}")
         lines.append(f"  {'phase':<12} {'ranks':>5} {'median s':>10} {'p99 s':>10} {'max s':>10} {'max/med':>8}"
