@@ -11,7 +11,7 @@ import pytest
 
 from bcp.cli import build_parser, main
 
-COMMANDS = ["inspect", "verify", "export", "convert", "edit"]
+COMMANDS = ["inspect", "verify", "export", "convert", "edit", "report"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -24,6 +24,7 @@ from bcp.tools import (
     format_summary,
     open_checkpoint,
     progress_for,
+    report,
     summarize,
     verify_checkpoint,
 )
@@ -37,6 +38,7 @@ _EPILOG = """examples:
   bcp convert --from dcp dcp_ckpt/ ckpt/ --trust-pickle
   bcp convert --to dcp ckpt/ dcp_out/
   bcp edit ckpt/ new_ckpt/ --drop 'optimizer/*' --dtype bfloat16
+  bcp report ckpt/ --heatmap heat.png --gantt gantt.png --trace trace.json
 """
 
 
@@ -55,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="bcp", description="Inspect, verify, export, convert and edit bcp checkpoints.", epilog=_EPILOG,
+        prog="bcp", description="Inspect, verify, export, convert and edit bcp checkpoints; report on saves and loads.",
+        epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -104,6 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
     edit.add_argument("--role", help="role sub-checkpoint of SRC")
     edit.add_argument("--consolidate", action="store_true", help="store every tensor whole instead of as saved")
     _edit_rules(edit, "full names (model/<fqn>, optimizer/state/<fqn>/<key>, ...)")
+
+    monitor = _command(commands, "report", _report, "where a save's or load's time went, per rank and phase")
+    monitor.add_argument("path", metavar="PATH|LOG", help="checkpoint folder holding bcp-metrics.jsonl, or a log")
+    monitor.add_argument("--role", help="role sub-checkpoint whose log to read (as passed to bcp.save)")
+    monitor.add_argument("--index", type=int, default=-1, help="which operation of the log (default: -1, the last)")
+    monitor.add_argument("--op", choices=["save", "load"], help="count only saves or only loads")
+    monitor.add_argument("--phase", help="phase to colour the heat map and rank the slowest ranks by, or 'total' "
+                         "(default: the straggler's phase)")
+    monitor.add_argument("--heatmap", metavar="PNG", help="draw the heat map over the topology (matplotlib)")
+    monitor.add_argument("--gantt", metavar="PNG", help="draw the per-rank timeline as a Gantt chart (matplotlib)")
+    monitor.add_argument("--ranks", type=_ranks, metavar="R,R,...", help="ranks in the Gantt chart (default: 64)")
+    monitor.add_argument("--trace", metavar="JSON", help="write the timeline as Chrome trace / Perfetto JSON")
+    monitor.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser
 
 
@@ -196,6 +212,17 @@ def _edit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    source = os.path.join(args.path, args.role) if args.role else args.path
+    summary = report(source, index=args.index, op=args.op, phase=args.phase, heatmap=args.heatmap, trace=args.trace,
+                     gantt=args.gantt, ranks=args.ranks)
+    print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.format())
+    for what, written in (("heat map", args.heatmap), ("Gantt chart", args.gantt), ("trace", args.trace)):
+        if written and not args.json:
+            print(f"  {what}: {written}")
+    return 0
+
+
 def _detect(src: str) -> str:
     if os.path.isfile(os.path.join(src, ".metadata")):
         return "dcp"
@@ -221,6 +248,13 @@ def _tie(text: str) -> tuple[str, str]:
     if not (sep and alias and key):
         raise argparse.ArgumentTypeError(f"expected ALIAS=KEY, got {text!r}")
     return alias, key
+
+
+def _ranks(text: str) -> list[int]:
+    try:
+        return [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ranks such as 0,3,7, got {text!r}") from None
 
 
 def _size(text: str) -> int:

@@ -18,6 +18,7 @@ from bcp.adapters.base import FrameworkAdapter
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.components import MERGED_ACROSS_RANKS, RESHARDED, apply, check_keys, collect
 from bcp.api.gc_pause import paused_gc
+from bcp.api.metrics import Monitor
 from bcp.api.names import NameMatch, listing, match_names, unexpected_across_ranks
 from bcp.api.options import LoadOptions
 from bcp.api.results import LoadResult, PhaseStats
@@ -50,9 +51,21 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
     check_keys(state)
     coord = as_coordinator(options.coordinator)
     stats = PhaseStats()
+    monitor = Monitor("load", coord.rank, coord.world_size, stats, options.topology, options.metrics_log)
+    try:
+        return _load(path, state, options, coord, monitor)
+    except BaseException as exc:
+        monitor.fail(None, exc)
+        raise
+
+
+def _load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: LoadOptions, coord: Coordinator,
+          monitor: Monitor) -> LoadResult:
+    stats = monitor.stats
     with stats.phase("metadata"):
         checkpoint = open_checkpoint(path, role=options.role, verify=options.verify, io_threads=options.io_threads,
                                      coordinator=coord)
+    monitor.location, monitor.generation = checkpoint.location, checkpoint.generation
     manifest = checkpoint.manifest
     result = LoadResult(checkpoint.path, checkpoint.generation, manifest.world_size, manifest.framework,
                         stats=stats)
@@ -66,7 +79,12 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
     _agree_on_reading(coord, planned, read, checkpoint, result, options.strict)
     with stats.phase("apply"):
         applied = Outcome.of(lambda: _apply(state, planned.value, read.value))
-        all_agree(coord, applied, f"restoring the state loaded from {checkpoint.path}")
+    # every rank's metrics record travels on the final agreement: monitoring adds no exchange
+    every_rank = all_agree(coord, Outcome(monitor.rank_wire(), applied.error),
+                           f"restoring the state loaded from {checkpoint.path}")
+    if coord.rank == 0:
+        monitor.finish(every_rank)
+        result.metrics = monitor.record
     return result
 
 

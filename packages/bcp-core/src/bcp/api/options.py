@@ -5,6 +5,7 @@ instead of repeating keyword lists. ``bcp.save(path, state, async_save=True)`` a
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
@@ -32,6 +33,12 @@ class _CommonOptions:
     Loading: allow values that were saved so (never needed for bcp's safe encoding)."""
     io_threads: int = DEFAULT_IO_THREADS
     """Writer or reader threads per rank, at most."""
+    topology: Mapping[str, int] | None = None
+    """This rank's coordinates in the parallel topology (e.g. ``{"dp": 1, "tp": 0, "pp": 2}``), kept
+    in the operation's metrics record so that reports lay ranks out by them."""
+    metrics_log: "bool | str | os.PathLike" = False
+    """Append the operation's metrics record (one JSON line) to ``<path>/bcp-metrics.jsonl``
+    (``True``) or to the given local file; the coordinating rank writes it."""
 
     def merged(self: _Options, keywords: Mapping[str, Any]) -> _Options:
         """These options with ``keywords`` replacing fields; an unknown keyword is a TypeError, as

@@ -6,7 +6,10 @@ import time
 from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from bcp.api.metrics import Monitor, OpRecord
 
 
 @dataclass
@@ -19,25 +22,42 @@ class PhaseStats:
     bytes: int = 0
     #: Load with ``read_once``: bytes this rank received from other ranks instead of reading them.
     received_bytes: int = 0
+    #: Each phase as run: (name, start, end) in seconds since the epoch, for timelines across ranks.
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+    #: The phase that was running when the operation failed (the first one an error escaped from).
+    failed_phase: str | None = None
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        wall, start = time.time(), time.perf_counter()
         try:
             yield
+        except BaseException:
+            self.failed_phase = self.failed_phase or name
+            raise
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
+            self.spans.append((name, wall, wall + elapsed))
 
 
 class SaveHandle:
     """A save in progress or done. ``wait()`` returns once the checkpoint is committed."""
 
-    def __init__(self, path: str, generation: int, stats: PhaseStats, future: "Future | None" = None) -> None:
+    def __init__(self, path: str, generation: int, stats: PhaseStats, future: "Future | None" = None,
+                 monitor: "Monitor | None" = None) -> None:
         self.path = path
         self.generation = generation
         #: Per-phase seconds and bytes written by this rank; complete once ``wait()`` returned.
         self.stats = stats
         self._future = future
+        self._monitor = monitor
+
+    @property
+    def metrics(self) -> "OpRecord | None":
+        """On the coordinating rank, once committed (or failed): every rank's timings, bytes and
+        place in the topology; None on the other ranks and before."""
+        return self._monitor.record if self._monitor is not None else None
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until committed and raise the save's error if it failed; a synchronous save is
@@ -66,3 +86,5 @@ class LoadResult:
     #: none): it received rank 0's value, or the first saving rank's where rank 0 saved none.
     from_rank0: list[str] = field(default_factory=list)
     stats: PhaseStats = field(default_factory=PhaseStats)
+    #: On the coordinating rank: every rank's timings, bytes and place in the topology; else None.
+    metrics: "OpRecord | None" = None

@@ -16,6 +16,7 @@ from bcp.adapters import adapter_for
 from bcp.api.components import RESHARDED, check_keys, collect
 from bcp.api.gc_pause import paused_gc
 from bcp.api.location import resolve
+from bcp.api.metrics import Monitor
 from bcp.api.options import SaveOptions
 from bcp.api.results import PhaseStats, SaveHandle
 from bcp.api.runtime import Runtime, runtime
@@ -56,8 +57,15 @@ def save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options:
     """
     options = (options or SaveOptions()).merged(keywords)
     check_keys(state)
+    coord = as_coordinator(options.coordinator)
+    stats = PhaseStats()
+    monitor = Monitor("save", coord.rank, coord.world_size, stats, options.topology, options.metrics_log)
     with paused_gc():
-        return _save(path, state, options, as_coordinator(options.coordinator), runtime())
+        try:
+            return _save(path, state, options, coord, runtime(), stats, monitor)
+        except BaseException as exc:
+            monitor.fail(None, exc)  # no-op where the writer door recorded it, and on ranks other than 0
+            raise
 
 
 def wait_pending_saves() -> None:
@@ -82,20 +90,20 @@ class _Collected:
 
 
 def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options: SaveOptions, coord: Coordinator,
-          rt: Runtime) -> SaveHandle:
-    location = resolve(path, options.role, options.keep_generations)
-    stats = PhaseStats()
+          rt: Runtime, stats: PhaseStats, monitor: Monitor) -> SaveHandle:
+    monitor.location = location = resolve(path, options.role, options.keep_generations)
     with stats.phase("collect"):
         collected = Outcome.of(lambda: _collect(state, options, location.display))
     with stats.phase("plan"):
         generation, plan = _agree_on_plan(coord, location, collected, rt, cache=not options.verify_replicas)
+    monitor.generation = generation
     pieces = writes_of(collected.value.pieces, plan.writes)
     writer = GenerationWriter(location, generation, threads=options.io_threads)
     manifest_of = _manifest_builder(generation, collected.value.framework, plan)
     values = collected.value.values
     if not options.async_save:
-        write_generation(coord, writer, pieces, values, manifest_of, stats)
-        return SaveHandle(location.display, generation, stats)
+        write_generation(coord, writer, pieces, values, manifest_of, stats, monitor=monitor)
+        return SaveHandle(location.display, generation, stats, monitor=monitor)
 
     background_coord = coord.sibling()  # collective: before the background thread needs it
     with stats.phase("stage"):
@@ -105,14 +113,15 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
         except BaseException:
             rt.buffers.release(buffer)
             raise
+    monitor.returned()  # the caller gets control back: the blocking time ends here
 
     def job() -> None:
         try:
-            write_generation(background_coord, writer, pieces, values, manifest_of, stats)
+            write_generation(background_coord, writer, pieces, values, manifest_of, stats, monitor=monitor)
         finally:
             rt.buffers.release(buffer)
 
-    return SaveHandle(location.display, generation, stats, rt.background.submit(job))
+    return SaveHandle(location.display, generation, stats, rt.background.submit(job), monitor)
 
 
 def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> _Collected:

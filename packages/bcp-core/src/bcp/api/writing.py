@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from bcp.api.gc_pause import paused_gc
+from bcp.api.metrics import Monitor
 from bcp.api.results import PhaseStats
 from bcp.coord import Coordinator
 from bcp.coord.consensus import Outcome, gather_then_reply
@@ -18,25 +19,38 @@ from bcp.layout.write_report import RankWrites
 
 def write_generation(coord: Coordinator, writer: GenerationWriter, pieces: Sequence[PieceWrite],
                      values: Sequence[ValueWrite], manifest_of: Callable[[list[RankWrites]], Manifest],
-                     stats: PhaseStats, on_written: Callable[[int], None] | None = None) -> None:
+                     stats: PhaseStats, on_written: Callable[[int], None] | None = None,
+                     monitor: Monitor | None = None) -> None:
     """Collective. Write this rank's ``pieces`` and ``values``; the coordinating rank then builds the
     manifest with ``manifest_of(every rank's report)`` and commits it. A failure on any rank is
-    raised on every rank, and what was written of the (claimed, uncommitted) generation is removed."""
+    raised on every rank, and what was written of the (claimed, uncommitted) generation is removed.
+    With a ``monitor``, each rank's metrics record travels with its report and the coordinating rank
+    finishes the operation's record."""
+    committing = False
+    records: list[Any] = []
     try:
         with stats.phase("write"):
             written = Outcome.of(lambda: writer.write_rank(coord.rank, pieces, values, on_written))
         stats.bytes = written.value.nbytes if written.error is None else 0
-        report = Outcome(written.value.to_wire() if written.error is None else None, written.error)
+        report = Outcome([written.value.to_wire(), monitor.rank_wire() if monitor else None]
+                         if written.error is None else None, written.error)
 
         def commit(every_rank: list[Any]) -> list[None]:
+            nonlocal committing
+            committing = True
+            records.extend(record for _, record in every_rank)
             with paused_gc():  # on the background thread of an async save, the foreground's pause is over
-                manifest = manifest_of([RankWrites.from_wire(wire) for wire in every_rank])
+                manifest = manifest_of([RankWrites.from_wire(wire) for wire, _ in every_rank])
             writer.commit(manifest)
             return [None] * coord.world_size
 
         with stats.phase("commit"):
             gather_then_reply(coord, report, commit, f"writing the checkpoint {writer.location.display}")
-    except BaseException:
+    except BaseException as exc:
         if coord.rank == 0:  # every rank has stopped writing: the failure reached it in the exchange
             writer.discard()
+            if monitor:  # before the commit, the exchange carried the failures of the ranks' writes
+                monitor.fail("commit" if committing else "write", exc)
         raise
+    if monitor and coord.rank == 0:
+        monitor.finish(records)

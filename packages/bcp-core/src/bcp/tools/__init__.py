@@ -7,6 +7,7 @@ from bcp.tools.convert_dcp import DcpConvertResult, convert_bcp_to_dcp, convert_
 from bcp.tools.convert_hf import HfConvertResult, convert_hf_to_bcp
 from bcp.tools.edit import EditResult, edit_checkpoint
 from bcp.tools.export import ExportResult, export_safetensors
+from bcp.tools.report import Report, report
 from bcp.tools.progress import NoProgress, Progress, TerminalProgress, progress_for
 from bcp.tools.rules import CastRules, NameRules
 from bcp.tools.summary import format_summary, summarize
@@ -20,5 +21,6 @@ __all__ = [
     "convert_hf_to_bcp", "HfConvertResult", "convert_dcp_to_bcp", "convert_bcp_to_dcp", "DcpConvertResult",
     "edit_checkpoint", "EditResult",
     "NameRules", "CastRules",
+    "report", "Report",
     "Progress", "NoProgress", "TerminalProgress", "progress_for",
 ]

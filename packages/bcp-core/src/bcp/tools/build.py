@@ -16,6 +16,7 @@ from bcp.api.location import resolve
 from bcp.api.results import PhaseStats
 from bcp.api.writing import write_generation
 from bcp.coord import SingleProcessCoordinator
+from bcp.engine.location import generation_dir
 from bcp.engine.writer import GenerationWriter
 from bcp.errors import CheckpointError
 from bcp.layout.box import Box
@@ -96,6 +97,10 @@ def write_checkpoint(out: "str | os.PathLike", pieces: Sequence[PieceSource], va
     try:
         write_generation(SingleProcessCoordinator(), GenerationWriter(location, generation, threads=io_threads),
                          writes, [w for v in values for w in v.writes()], manifest_of, PhaseStats(), progress.advance)
+    except BaseException:
+        # the output was new or empty, so the claim is ours alone: leave nothing behind
+        location.storage.delete_tree(f"{location.prefix}{generation_dir(generation)}")
+        raise
     finally:
         progress.finish()
     return generation

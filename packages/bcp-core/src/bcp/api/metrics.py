@@ -1,0 +1,163 @@
+"""One record per save or load: every rank's phase timeline, bytes, error and place in the topology.
+
+Each rank's :class:`RankRecord` travels to the coordinating rank on an exchange the operation makes
+anyway (the commit exchange of the writer door; a load's final agreement), so monitoring adds no
+collective. The coordinating rank assembles the :class:`OpRecord`, keeps it on the handle or result,
+logs a one-line summary under the ``bcp`` logger and, when asked, appends it to the metrics log."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from bcp.api.metrics_log import append_record
+from bcp.api.results import PhaseStats
+from bcp.engine.location import Location
+from bcp.version import __version__
+
+logger = logging.getLogger("bcp")
+
+
+@dataclass(slots=True)
+class RankRecord:
+    """What one rank did: its phases as (name, start, end) in seconds since the epoch, the bytes it
+    wrote or read (and received from other ranks), its error if it failed, and where it runs."""
+
+    rank: int
+    host: str
+    local_rank: int | None
+    topology: dict[str, int]
+    phases: list[tuple[str, float, float]]
+    bytes: int = 0
+    received_bytes: int = 0
+    error: str | None = None
+
+    @staticmethod
+    def of(rank: int, stats: PhaseStats, topology: Mapping[str, int] | None) -> "RankRecord":
+        local = os.environ.get("LOCAL_RANK")
+        return RankRecord(rank, socket.gethostname(), int(local) if local is not None else None,
+                          dict(topology or {}), list(stats.spans), stats.bytes, stats.received_bytes)
+
+    def seconds(self) -> dict[str, float]:
+        """Seconds per phase (a phase run twice counts twice)."""
+        out: dict[str, float] = {}
+        for name, start, end in self.phases:
+            out[name] = out.get(name, 0.0) + end - start
+        return out
+
+    def to_wire(self) -> list[Any]:
+        return [self.rank, self.host, self.local_rank, self.topology, [list(p) for p in self.phases], self.bytes,
+                self.received_bytes, self.error]
+
+    @staticmethod
+    def from_wire(wire: list[Any]) -> "RankRecord":
+        rank, host, local_rank, topology, phases, nbytes, received, error = wire
+        return RankRecord(rank, host, local_rank, dict(topology), [tuple(p) for p in phases], nbytes, received,
+                          error)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "local_rank": self.local_rank, "topology": self.topology,
+                "phases": [{"name": n, "start": s, "end": e} for n, s, e in self.phases], "bytes": self.bytes,
+                "received_bytes": self.received_bytes, "error": self.error}
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> "RankRecord":
+        return RankRecord(data["rank"], data.get("host", ""), data.get("local_rank"), dict(data.get("topology") or {}),
+                          [(p["name"], p["start"], p["end"]) for p in data.get("phases", [])], data.get("bytes", 0),
+                          data.get("received_bytes", 0), data.get("error"))
+
+
+@dataclass(slots=True)
+class OpRecord:
+    """One save or load: ``ok``, or the phase it failed in and the error (which names the failing
+    ranks); ``blocking_seconds`` is how long the caller waited (an async save: until staged)."""
+
+    op: str
+    path: str
+    generation: int | None
+    world_size: int
+    start: float
+    seconds: float
+    blocking_seconds: float
+    ok: bool = True
+    failed_phase: str | None = None
+    error: str | None = None
+    ranks: list[RankRecord] = field(default_factory=list)
+    version: str = __version__
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.bytes for r in self.ranks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": self.op, "path": self.path, "generation": self.generation, "world_size": self.world_size,
+                "start": self.start, "seconds": self.seconds, "blocking_seconds": self.blocking_seconds,
+                "bytes": self.bytes, "ok": self.ok, "failed_phase": self.failed_phase, "error": self.error,
+                "version": self.version, "ranks": [r.to_json() for r in self.ranks]}
+
+    @staticmethod
+    def from_json(data: Mapping[str, Any]) -> "OpRecord":
+        return OpRecord(data["op"], data["path"], data.get("generation"), data["world_size"], data["start"],
+                        data["seconds"], data.get("blocking_seconds", data["seconds"]), data.get("ok", True),
+                        data.get("failed_phase"), data.get("error"),
+                        [RankRecord.from_json(r) for r in data.get("ranks", [])], data.get("version", ""))
+
+
+class Monitor:
+    """An operation's record in the making, on every rank; the coordinating rank (rank 0) finishes it."""
+
+    def __init__(self, op: str, rank: int, world_size: int, stats: PhaseStats, topology: Mapping[str, int] | None,
+                 metrics_log: "bool | str | os.PathLike") -> None:
+        self.op, self.rank, self.world_size, self.stats = op, rank, world_size, stats
+        self.topology, self.metrics_log = topology, metrics_log
+        self.start = time.time()
+        self.blocking_seconds: float | None = None
+        self.location: Location | None = None
+        self.generation: int | None = None
+        #: The finished record (rank 0 only).
+        self.record: OpRecord | None = None
+
+    def returned(self) -> None:
+        """The caller got control back (an async save: staged); the blocking time ends here."""
+        self.blocking_seconds = time.time() - self.start
+
+    def rank_wire(self) -> list[Any]:
+        """This rank's record as it travels to rank 0."""
+        return RankRecord.of(self.rank, self.stats, self.topology).to_wire()
+
+    def finish(self, every_rank: list[list[Any]]) -> None:
+        """Rank 0: the operation succeeded; ``every_rank`` are the ranks' wires, rank 0's replaced by
+        its complete record (its phases after the exchange included)."""
+        ranks = [RankRecord.from_wire(wire) for wire in every_rank]
+        ranks[0] = RankRecord.of(0, self.stats, self.topology)
+        self._close(ranks)
+
+    def fail(self, phase: str | None, error: BaseException) -> None:
+        """Rank 0: the operation failed in ``phase``; the other ranks' records did not arrive."""
+        if self.record is not None or self.rank != 0:
+            return
+        own = RankRecord.of(0, self.stats, self.topology)
+        own.error = f"{type(error).__name__}: {error}"
+        spans = self.stats.spans  # an error that surfaced in an exchange between phases: after the last one
+        where = phase or self.stats.failed_phase or (spans[-1][0] if spans else "start")
+        self._close([own], where, own.error)
+
+    def _close(self, ranks: list[RankRecord], failed_phase: str | None = None, error: str | None = None) -> None:
+        seconds = time.time() - self.start
+        blocking = self.blocking_seconds if self.blocking_seconds is not None else seconds
+        path = self.location.display if self.location is not None else ""
+        self.record = record = OpRecord(self.op, path, self.generation, self.world_size, self.start, seconds,
+                                        blocking, error is None, failed_phase, error, ranks)
+        if error is None:
+            rate = record.bytes / seconds / 1e9 if seconds > 0 else 0.0
+            logger.info("bcp %s %s generation %s: %d bytes in %.3f s (%.2f GB/s), blocking %.3f s, %d rank(s)",
+                        self.op, path, self.generation, record.bytes, seconds, rate, blocking, self.world_size)
+        else:
+            logger.warning("bcp %s %s generation %s failed in phase %s: %s", self.op, path, self.generation,
+                           failed_phase, error)
+        if self.metrics_log and self.location is not None:
+            append_record(self.location, self.metrics_log, record.to_json())
