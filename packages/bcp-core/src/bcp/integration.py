@@ -6,7 +6,8 @@ test walks their imports).
 - coordination: the coordinator and the error-agreeing exchanges built on it;
 - representation: boxes, pieces and the dtype names of the format;
 - the reader door: a committed checkpoint opened for reading (the manifest, wanted pieces, values);
-- storage: the backend for a path or URL.
+- storage: the backend for a path or URL;
+- framework files: a framework's own pickled files in a checkpoint folder, read safely.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from bcp.adapters.optimizer import initialize_state
 from bcp.api.location import resolve as checkpoint_location
 from bcp.coord import Coordinator, default_coordinator
 from bcp.coord.consensus import Outcome, all_agree, broadcast_from_root, gather_then_reply
+from bcp.framework_pickle import refusing_pickled_code
 from bcp.layout.box import Box, flat_range_to_boxes
 from bcp.layout.dtypes import dtype_from_name, dtype_name
 from bcp.layout.manifest import Manifest, ObjectEntry, TensorEntry
@@ -27,4 +29,5 @@ __all__ = [
     "Manifest", "ObjectEntry", "TensorEntry",
     "checkpoint_location", "initialize_state",
     "Storage", "storage_for",
+    "refusing_pickled_code",
 ]

@@ -15,9 +15,8 @@ from typing import Any
 
 import msgpack
 
-from bcp.coord import Coordinator
-from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
-from bcp.errors import MismatchError
+from bcp import MismatchError
+from bcp.integration import Coordinator, Outcome, all_agree, gather_then_reply
 
 #: A rank's 1-D pieces: ``{tensor name: [size, [[offset, length], ...]]}``.
 Spans = dict[str, list[Any]]
