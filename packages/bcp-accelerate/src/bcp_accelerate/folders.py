@@ -18,8 +18,8 @@ import shutil
 import accelerate
 from accelerate.utils.constants import RNG_STATE_NAME
 
-from bcp.api.location import resolve
-from bcp.errors import CheckpointNotCommittedError
+from bcp import CheckpointNotCommittedError
+from bcp.integration import checkpoint_location
 
 AUTOMATIC_DIR = "checkpoints"
 #: Per save, accelerate's own files (schedulers, samplers, RNG, scaler, custom objects) go to a
@@ -38,7 +38,7 @@ class Contents(enum.Enum):
 
 
 def contents(folder: str) -> Contents:
-    location = resolve(folder, None)
+    location = checkpoint_location(folder, None)
     generations = location.generations()
     if any(location.is_committed(g) for g in generations):
         return Contents.COMMITTED
