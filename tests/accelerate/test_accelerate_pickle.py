@@ -9,7 +9,6 @@ RNG states) and the ``.pkl`` files of folders written by accelerate's own engine
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import pytest
@@ -18,16 +17,7 @@ import torch
 import bcp
 import bcp.tools
 from accelerate_helpers import Counter, session
-
-
-class _TouchesMarker:
-    """Pickles as a call of ``Path.touch``: unpickling it with full pickle creates the marker file."""
-
-    def __init__(self, marker: pathlib.Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return pathlib.Path.touch, (self.marker,)
+from hostile_pickle import TouchesMarker
 
 
 def _save(engine: str, folder: pathlib.Path, value: int) -> None:
@@ -64,7 +54,7 @@ def test_registered_objects_are_stored_by_bcp_not_pickled(tmp_path):
 def test_hostile_custom_object_of_an_accelerate_folder_is_refused(tmp_path):
     folder, marker = tmp_path / "ckpt", tmp_path / "marker"
     _save("accelerate", folder, 5)
-    torch.save({"value": _TouchesMarker(marker)}, folder / "custom_checkpoint_0.pkl")
+    torch.save({"value": TouchesMarker(marker)}, folder / "custom_checkpoint_0.pkl")
     with pytest.raises(bcp.UnsafeCheckpointError, match="custom_checkpoint_0.pkl") as refused:
         _load(folder)
     assert str(folder) in str(refused.value) and "Unsupported global" in str(refused.value)
@@ -75,7 +65,7 @@ def test_hostile_scheduler_file_of_a_bcp_folder_is_refused(tmp_path):
     folder, marker = tmp_path / "ckpt", tmp_path / "marker"
     _save("bcp", folder, 5)
     (scheduler,) = folder.glob("accelerate-*/scheduler.bin")
-    torch.save({"last_epoch": _TouchesMarker(marker)}, scheduler)
+    torch.save({"last_epoch": TouchesMarker(marker)}, scheduler)
     with pytest.raises(bcp.UnsafeCheckpointError, match=scheduler.parent.name) as refused:
         _load(folder)
     assert str(folder) in str(refused.value)

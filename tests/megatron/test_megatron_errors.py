@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 
 import torch
 import torch.distributed as dist
 
 import bcp
 import bcp_megatron  # noqa: F401  (registers the ('bcp', 1) backend)
+from hostile_pickle import TouchesMarker
 from megatron_parts import parallel
 
 
@@ -105,16 +105,6 @@ def test_tensor_shape_mismatch_is_a_megatron_exception(ranks, tmp_path):
         assert torch.equal(outcome["larger flexible"], padded)
 
 
-class _TouchesMarker:
-    """Pickles as a call of ``Path.touch``: unpickling it with full pickle creates the marker file."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return pathlib.Path.touch, (pathlib.Path(self.marker),)
-
-
 def common_state(path: str, marker: str) -> dict:
     from megatron.core.dist_checkpointing import ShardedTensor, load, save
 
@@ -130,7 +120,7 @@ def common_state(path: str, marker: str) -> dict:
         outcomes = {"loaded": (loaded["iteration"], loaded["args"], loaded["w"].tolist())}
         dist.barrier()
         if rank == 0:
-            torch.save({"iteration": _TouchesMarker(marker)}, common)
+            torch.save({"iteration": TouchesMarker(marker)}, common)
         dist.barrier()
         outcomes["hostile"] = _raised(lambda: load(state(), path))
     return outcomes

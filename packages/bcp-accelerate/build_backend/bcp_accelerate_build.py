@@ -17,7 +17,7 @@ import os
 import zipfile
 
 from setuptools import build_meta as _setuptools
-from setuptools.build_meta import *  # noqa: F401,F403  (every other PEP 517/660 hook, unchanged)
+from setuptools.build_meta import *  # every other PEP 517/660 hook, unchanged
 
 PTH_NAME = "bcp_accelerate_autoload.pth"
 # One line, checked at every interpreter start: a dictionary lookup while the variable is unset.

@@ -16,7 +16,8 @@ import importlib.abc
 import importlib.util
 import sys
 from types import ModuleType
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 #: The variable that chooses the checkpoint engine (``bcp`` or ``accelerate``).
 ENGINE_VARIABLE = "ACCELERATE_CHECKPOINT_ENGINE"

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import accelerate.accelerator
 from accelerate.utils import load as accelerate_load

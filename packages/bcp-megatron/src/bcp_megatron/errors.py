@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 from megatron.core.dist_checkpointing.core import CheckpointingException
 
