@@ -82,9 +82,9 @@ sys.modules[_offline.__name__] = _offline
 
 # Without Transformer Engine, Megatron's is_te_min_version compares None with a version (TypeError
 # in the suite's autouse fixture): no Transformer Engine is no minimum version of it.
-import importlib.util  # noqa: E402
+import importlib.util
 
-import megatron.core.utils as _megatron_utils  # noqa: E402
+import megatron.core.utils as _megatron_utils
 
 if importlib.util.find_spec("transformer_engine") is None:
     _megatron_utils.is_te_min_version = lambda version, check_equality=True: False
