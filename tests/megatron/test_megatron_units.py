@@ -5,6 +5,7 @@ backend checks and the launcher's argument rewriting."""
 from __future__ import annotations
 
 import io
+import pickle
 
 import pytest
 import torch
@@ -83,10 +84,25 @@ def test_load_strategy_refuses_other_backends_and_versions():
     strategy = BcpLoadShardedStrategy()
     strategy.check_backend_compatibility("bcp")
     strategy.check_version_compatibility(1)
-    with pytest.raises(CheckpointingException, match="'torch_dist' backend"):
+    with pytest.raises(CheckpointingException, match="'torch_dist' backend") as refused:
         strategy.check_backend_compatibility("torch_dist")
-    with pytest.raises(CheckpointingException, match="version 2 of the bcp backend"):
+    assert isinstance(refused.value, bcp.FormatVersionError)
+    with pytest.raises(CheckpointingException, match="version 2 of the bcp backend") as refused:
         strategy.check_version_compatibility(2)
+    assert isinstance(refused.value, bcp.FormatVersionError)
+
+
+def test_bcp_errors_are_megatron_exceptions_and_keep_their_class_and_message():
+    from bcp_megatron.errors import as_megatron_errors
+
+    with pytest.raises(CheckpointingException) as raised, as_megatron_errors():
+        raise bcp.CorruptCheckpointError("crc mismatch", path="/ckpt", key="model/w")
+    error = raised.value
+    assert isinstance(error, bcp.CorruptCheckpointError) and type(error).__name__ == "CorruptCheckpointError"
+    assert str(error) == "crc mismatch (checkpoint '/ckpt', entry 'model/w')" and error.key == "model/w"
+    assert pickle.loads(pickle.dumps(error)).args == error.args  # Megatron's checkpoint worker pickles errors
+    with pytest.raises(ValueError), as_megatron_errors():  # not bcp's: untouched
+        raise ValueError("x")
 
 
 @pytest.mark.parametrize("args,expected,requested", [

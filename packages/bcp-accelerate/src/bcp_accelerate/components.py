@@ -16,8 +16,8 @@ import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
-from bcp.integration import initialize_state
 from bcp import AdapterError
+from bcp.integration import initialize_state
 
 PARAMS = "params"
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from bcp.integration import default_coordinator
-from bcp.integration import Outcome, all_agree
 from bcp import CheckpointError
+from bcp.integration import Outcome, all_agree, default_coordinator
 
 
 def on_all_ranks(work: Callable[[], Any], what: str) -> Any:

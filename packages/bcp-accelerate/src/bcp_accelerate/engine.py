@@ -1,9 +1,10 @@
 """``save_state``/``load_state`` with every prepared model and optimizer going through bcp.
 
 A save writes accelerate's own files (schedulers, samplers and dataloader state, RNG states, the
-gradient scaler, registered custom objects) with accelerate's own functions into a fresh
-sub-folder, then saves models, optimizers and a record of the accelerator through ``bcp.save``,
-whose commit is the last write: from then on the folder is a whole checkpoint, before it none.
+gradient scaler) with accelerate's own functions into a fresh sub-folder, then saves models,
+optimizers, the objects registered for checkpointing (in bcp's safe encoding, where accelerate
+would pickle them) and a record of the accelerator through ``bcp.save``, whose commit is the last
+write: from then on the folder is a whole checkpoint, before it none.
 Pruning to ``total_limit`` runs after the commit. A load reshards models and optimizers into the
 layout and number of processes the accelerator has now, then lets accelerate load the rest.
 """
@@ -17,23 +18,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 import accelerate
-from accelerate.checkpointing import (
-    load_accelerator_state,
-    load_custom_state,
-    save_accelerator_state,
-    save_custom_state,
-)
+from accelerate.checkpointing import load_accelerator_state, save_accelerator_state
 from accelerate.utils import DistributedType
 
 import bcp
 from bcp import AdapterError, CheckpointNotCommittedError, MismatchError
-from bcp_accelerate import components, folders, hooks
+from bcp.integration import refusing_pickled_code
+from bcp_accelerate import components, folders, framework_files, hooks
 from bcp_accelerate.consensus import on_all_ranks
-from bcp_accelerate.switch import ENGINE_VARIABLE
+from bcp_accelerate_autoload import ENGINE_VARIABLE
 
 #: The bcp component recording the accelerator: its step counter, what was saved, and the
 #: sub-folder holding accelerate's own files.
 RECORD = "accelerate"
+#: The bcp component of the ``i``-th object registered for checkpointing: ``custom_<i>``.
+CUSTOM_PREFIX = "custom_"
 _UNSUPPORTED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.MEGATRON_LM: "Megatron-LM",
                 DistributedType.XLA: "XLA"}
 _LOAD_OPTIONS = ("strict", "map_location")
@@ -65,8 +64,9 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLi
     state: dict[str, Any] = {RECORD: {
         "step": accelerator.step, "models": saved_models, "num_models": len(models),
         "num_optimizers": len(optimizers), "num_custom_objects": len(accelerator._custom_objects),
-        "files": files_dir,
+        "files": files_dir, "custom_objects_in_bcp": True,
     }}
+    state.update(_custom_components(accelerator))
     model = components.model_component(models, saved_models)
     if model is not None:
         state["model"] = model
@@ -89,7 +89,8 @@ def load_state(accelerator: accelerate.Accelerator, input_dir: "str | os.PathLik
     check_supported(accelerator.distributed_type)
     folder, kind = on_all_ranks(lambda: _choose(accelerator, input_dir), "choosing the checkpoint to load")
     if kind == folders.Contents.ACCELERATE.name:
-        accelerate_load_state(accelerator, folder, load_kwargs, **load_model_func_kwargs)
+        with framework_files.safe_accelerate_load(folder):
+            accelerate_load_state(accelerator, folder, load_kwargs, **load_model_func_kwargs)
     else:
         _load_through_bcp(accelerator, folder, load_kwargs, load_model_func_kwargs)
     folders.continue_numbering(accelerator)
@@ -120,11 +121,14 @@ def _load_through_bcp(accelerator: accelerate.Accelerator, folder: str, load_kwa
         state["model"] = model
     if optimizers:
         state["optimizer"] = components.optimizer_component(models, optimizers, for_load=True)
+    custom_in_bcp = record.get("custom_objects_in_bcp", False)
+    if custom_in_bcp:
+        state.update(_custom_components(accelerator))
     if state:
         bcp.load(folder, state, strict=options.get("strict", True))
     if optimizers:
         components.restore_param_groups(state["optimizer"], optimizers)
-    on_all_ranks(lambda: _load_accelerate_files(accelerator, os.path.join(folder, record["files"]), load_kwargs),
+    on_all_ranks(lambda: _load_accelerate_files(accelerator, folder, record["files"], load_kwargs, custom_in_bcp),
                  f"loading accelerate's files from {folder}")
     # The record, unlike the per-process RNG files, reaches processes beyond the saved number.
     accelerator.step = record["step"]
@@ -136,15 +140,23 @@ def _save_accelerate_files(accelerator: accelerate.Accelerator, files_dir: str, 
     save_accelerator_state(files_dir, [], [], accelerator._schedulers, accelerator._dataloaders,
                            accelerator.process_index, accelerator.step, accelerator.scaler,
                            save_on_each_node=on_each_node, safe_serialization=safe_serialization)
-    for index, obj in enumerate(accelerator._custom_objects):
-        save_custom_state(obj, files_dir, index, save_on_each_node=on_each_node)
 
 
-def _load_accelerate_files(accelerator: accelerate.Accelerator, files_dir: str, load_kwargs: dict | None) -> None:
-    load_accelerator_state(files_dir, [], [], accelerator._schedulers, accelerator._dataloaders,
-                           accelerator.process_index, accelerator.scaler, None, load_kwargs)
-    for index, obj in enumerate(accelerator._custom_objects):
-        load_custom_state(obj, files_dir, index)
+def _custom_components(accelerator: accelerate.Accelerator) -> dict[str, Any]:
+    """The registered objects as bcp components: bcp saves their ``state_dict()`` per process and
+    hands the loaded one to ``load_state_dict``."""
+    return {f"{CUSTOM_PREFIX}{i}": obj for i, obj in enumerate(accelerator._custom_objects)}
+
+
+def _load_accelerate_files(accelerator: accelerate.Accelerator, folder: str, files: str, load_kwargs: dict | None,
+                           custom_in_bcp: bool) -> None:
+    files_dir = os.path.join(folder, files)
+    with refusing_pickled_code(folder, files):
+        load_accelerator_state(files_dir, [], [], accelerator._schedulers, accelerator._dataloaders,
+                               accelerator.process_index, accelerator.scaler, None, load_kwargs)
+    if not custom_in_bcp:  # a checkpoint from before the objects went into bcp: their .pkl files
+        for index, obj in enumerate(accelerator._custom_objects):
+            framework_files.load_custom_state(obj, files_dir, index)
 
 
 def _clean_up(accelerator: accelerate.Accelerator, folder: str, files_dir: str) -> None:

@@ -18,8 +18,8 @@ import shutil
 import accelerate
 from accelerate.utils.constants import RNG_STATE_NAME
 
-from bcp.integration import checkpoint_location
 from bcp import CheckpointNotCommittedError
+from bcp.integration import checkpoint_location
 
 AUTOMATIC_DIR = "checkpoints"
 #: Per save, accelerate's own files (schedulers, samplers, RNG, scaler, custom objects) go to a

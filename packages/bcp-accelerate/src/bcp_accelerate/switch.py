@@ -15,10 +15,11 @@ from typing import Any, Callable
 import accelerate
 
 from bcp import CheckpointError
+from bcp_accelerate import engine
+from bcp_accelerate_autoload import ENGINE_VARIABLE
 
-#: ``bcp`` routes every accelerator through bcp; ``accelerate`` forces accelerate's own engine even
-#: where the code opted in (a switch for operators); unset leaves the choice to the code.
-ENGINE_VARIABLE = "ACCELERATE_CHECKPOINT_ENGINE"
+#: ``ENGINE_VARIABLE=bcp`` routes every accelerator through bcp; ``accelerate`` forces accelerate's own
+#: engine even where the code opted in (a switch for operators); unset leaves the choice to the code.
 ENGINES = ("bcp", "accelerate")
 
 _OPTED_IN = "_bcp_checkpoint_engine"
@@ -56,9 +57,6 @@ def uses_bcp(accelerator: accelerate.Accelerator) -> bool:
 def install() -> None:
     """Let ``accelerate.Accelerator.save_state``/``load_state`` consult :func:`uses_bcp` on each call
     (idempotent). While it says no, accelerate's own methods run, unchanged."""
-    # Imported here: the engine imports this module for the variable's name.
-    from bcp_accelerate import engine
-
     cls = accelerate.Accelerator
     if getattr(cls.save_state, _DISPATCHES, False):
         return

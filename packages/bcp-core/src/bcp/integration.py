@@ -10,7 +10,8 @@ test walks their imports).
 - where checkpoints live (``checkpoint_location(path, role)``: generations and their commit
   state) and the storage backend for a path or URL;
 - adapters: ``initialize_state`` gives a never-stepped optimizer its state before a load;
-  ``adapter_for`` finds the registered adapter for live objects, by name, as ``bcp.save`` does.
+  ``adapter_for`` finds the registered adapter for live objects, by name, as ``bcp.save`` does;
+- framework files: a framework's own pickled files in a checkpoint folder, read safely.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from bcp.api.options import LoadOptions, SaveOptions
 from bcp.api.runtime import Runtime, reset_runtime, runtime
 from bcp.coord import Coordinator, default_coordinator
 from bcp.coord.consensus import Outcome, all_agree, broadcast_from_root, gather_then_reply
+from bcp.layout.framework_pickle import refusing_pickled_code
 from bcp.layout.box import Box, flat_range_to_boxes
 from bcp.layout.coverage import CoverProblem, first_cover_problem
 from bcp.layout.dtypes import dtype_from_name, dtype_name
@@ -43,4 +45,6 @@ __all__ = [
     "checkpoint_location", "Storage", "storage_for",
     # adapters
     "initialize_state", "adapter_for",
+    # frameworks' own pickled files in a checkpoint folder, read safely
+    "refusing_pickled_code",
 ]

@@ -22,6 +22,8 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
 import bcp
 
+from bcp_megatron.errors import as_megatron_errors
+
 _POLL_S = 0.02
 _MARKER = "done"
 
@@ -48,6 +50,7 @@ def _mark_when_finished(handle: bcp.SaveHandle, marker: str) -> None:
         pass
 
 
+@as_megatron_errors()
 def _finalize(handle: bcp.SaveHandle, folder: str) -> None:
     try:
         handle.wait()

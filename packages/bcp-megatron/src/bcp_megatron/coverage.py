@@ -15,9 +15,8 @@ from typing import Any
 
 import msgpack
 
-from bcp.integration import Coordinator
-from bcp.integration import Outcome, all_agree, gather_then_reply
 from bcp import MismatchError
+from bcp.integration import Coordinator, Outcome, all_agree, gather_then_reply
 
 #: A rank's 1-D pieces: ``{tensor name: [size, [[offset, length], ...]]}``.
 Spans = dict[str, list[Any]]

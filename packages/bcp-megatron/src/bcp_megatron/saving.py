@@ -6,8 +6,7 @@ from __future__ import annotations
 import os
 
 import bcp
-from bcp.integration import Coordinator, default_coordinator
-from bcp.integration import Outcome
+from bcp.integration import Coordinator, Outcome, default_coordinator
 
 from bcp_megatron.adapter import NAME as ADAPTER_NAME
 from bcp_megatron.adapter import MegatronValues

@@ -17,8 +17,7 @@ import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
 
-from bcp import TensorShard
-from bcp import CorruptCheckpointError, MismatchError, UnsupportedValueError
+from bcp import CorruptCheckpointError, MismatchError, TensorShard, UnsupportedValueError
 from bcp.integration import Box, flat_range_to_boxes
 
 MODEL = "model"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 
-from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, StateDict
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.base import (
@@ -25,7 +24,9 @@ import bcp
 from bcp.integration import Coordinator
 
 from bcp_megatron.adapter import MegatronAdapter
+from bcp_megatron.common_state import SafeCommonLoadStrategy
 from bcp_megatron.completion import completion_request
+from bcp_megatron.errors import as_megatron_errors
 from bcp_megatron.load import BcpLoader, read_manifest, sharded_metadata, tensors_metadata
 from bcp_megatron.saving import DEFAULT_IO_THREADS, BcpSaver
 from bcp_megatron.version import BACKEND, VERSION
@@ -50,9 +51,11 @@ class BcpSaveShardedStrategy(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
+    @as_megatron_errors()
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: "str | os.PathLike") -> None:
         self.saver.save(sharded_state_dict, checkpoint_dir, async_save=False)
 
+    @as_megatron_errors()
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: "str | os.PathLike") -> AsyncRequest:
         """Returns once this rank's tensors are staged in host memory; bcp writes and commits in
         the background and the request's finalize step waits for that commit."""
@@ -73,31 +76,39 @@ class BcpLoadShardedStrategy(LoadShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
+    @as_megatron_errors()
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: "str | os.PathLike") -> StateDict:
         return self.loader.load(sharded_state_dict, checkpoint_dir)
 
+    @as_megatron_errors()
     def load_tensors_metadata(self, checkpoint_dir: "str | os.PathLike") -> ShardedStateDict:
         return tensors_metadata(read_manifest(checkpoint_dir))
 
+    @as_megatron_errors()
     def load_sharded_metadata(self, checkpoint_dir: "str | os.PathLike") -> ShardedStateDict:
         return sharded_metadata(read_manifest(checkpoint_dir))
 
+    @as_megatron_errors()
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != BACKEND:
-            raise CheckpointingException(
+            raise bcp.FormatVersionError(
                 f"this checkpoint was saved by the {loaded_backend!r} backend, which bcp's load strategy cannot "
                 f"read; let dist_checkpointing.load pick the strategy from metadata.json (sharded_strategy=None)")
 
+    @as_megatron_errors()
     def check_version_compatibility(self, loaded_version: int) -> None:
         if loaded_version != VERSION:
-            raise CheckpointingException(
+            raise bcp.FormatVersionError(
                 f"this checkpoint was saved by version {loaded_version} of the bcp backend; this bcp-megatron "
                 f"reads version {VERSION}: upgrade bcp-megatron")
 
 
 def register() -> None:
     """Make ``('bcp', 1)`` a Megatron strategy: ``dist_checkpointing.save(..., sharded_strategy=('bcp', 1))``
-    saves with bcp and ``dist_checkpointing.load`` picks bcp for checkpoints saved so. Idempotent."""
+    saves with bcp and ``dist_checkpointing.load`` picks bcp for checkpoints saved so; their
+    ``common.pt`` loads with ``weights_only=True``. Idempotent."""
     bcp.register_adapter(MegatronAdapter(), priority=100)
     register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, VERSION, BcpSaveShardedStrategy())
     register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, VERSION, BcpLoadShardedStrategy())
+    # metadata.json of every checkpoint names the 'torch' common backend (see common_state).
+    register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, SafeCommonLoadStrategy())

@@ -22,11 +22,12 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 
 import bcp
-from bcp.integration import checkpoint_location
 from bcp.integration import Coordinator
 
 from bcp_megatron.adapter import MegatronAdapter
+from bcp_megatron.common_state import is_bcp_checkpoint
 from bcp_megatron.completion import completion_request
+from bcp_megatron.errors import as_megatron_errors
 from bcp_megatron.load import BcpLoader, read_manifest, sharded_metadata, tensors_metadata
 from bcp_megatron.saving import DEFAULT_IO_THREADS, BcpSaver
 from bcp_megatron.version import BACKEND, VERSION
@@ -46,9 +47,11 @@ class BcpSaveShardedStrategy(TorchDistSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
+    @as_megatron_errors()
     def save(self, sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike") -> None:
         self.saver.save(sharded_state_dict, checkpoint_dir, async_save=False)
 
+    @as_megatron_errors()
     def async_save(self, sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike",
                    async_strategy: str = "mcore") -> Any:
         return completion_request(self.saver.save(sharded_state_dict, checkpoint_dir, async_save=True))
@@ -66,16 +69,19 @@ class BcpLoadShardedStrategy(TorchDistLoadShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
+    @as_megatron_errors()
     def load(self, sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike", async_strategy: str = "mcore") -> Any:
         if not is_bcp_checkpoint(checkpoint_dir):
             return super().load(sharded_state_dict, checkpoint_dir, async_strategy)
         return self.loader.load(sharded_state_dict, checkpoint_dir)
 
+    @as_megatron_errors()
     def load_tensors_metadata(self, checkpoint_dir: "str | os.PathLike", metadata: Any = None) -> dict:
         if not is_bcp_checkpoint(checkpoint_dir):
             return super().load_tensors_metadata(checkpoint_dir, metadata)
         return tensors_metadata(read_manifest(checkpoint_dir))
 
+    @as_megatron_errors()
     def load_sharded_metadata(self, checkpoint_dir: "str | os.PathLike") -> dict:
         if not is_bcp_checkpoint(checkpoint_dir):
             return super().load_sharded_metadata(checkpoint_dir)
@@ -91,11 +97,6 @@ class FullyParallelSaveStrategyWrapper(fully_parallel.FullyParallelSaveStrategyW
         kwargs.setdefault("backend", strategy.backend)
         kwargs.setdefault("version", strategy.version)
         super().__init__(strategy, *args, **kwargs)
-
-
-def is_bcp_checkpoint(checkpoint_dir: "str | os.PathLike") -> bool:
-    """Whether ``checkpoint_dir`` holds bcp generations (whatever ``metadata.json`` says)."""
-    return bool(checkpoint_location(checkpoint_dir, None).generations())
 
 
 def register() -> None:

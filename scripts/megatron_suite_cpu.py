@@ -1,0 +1,117 @@
+"""pytest plugin for scripts/megatron_suite.py: Megatron-LM's ``tests/unit_tests/dist_checkpointing``
+on the CPU, in one rank of a ``torchrun`` job, with the default save strategy of the backend named
+by ``BCP_SUITE_BACKEND`` (``bcp`` or ``torch_dist``). Not part of bcp: stand-ins for this run only.
+
+Loaded with ``pytest -p megatron_suite_cpu`` before Megatron-LM's conftest files. Each stand-in
+says what it replaces; none touches checkpointing code. Every finished test phase is appended to
+``$BCP_SUITE_RESULTS/rank<RANK>.jsonl`` at once, so a run cut off by its timeout keeps what finished.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import types
+
+import torch
+
+BACKEND = os.environ["BCP_SUITE_BACKEND"]
+RESULTS = os.environ["BCP_SUITE_RESULTS"]
+RANK = int(os.environ.get("RANK", "0"))
+_CUDA = "cuda"
+
+# A test that fails on some ranks only leaves the others waiting in a collective: give up after
+# this long instead of torch's default (the rest of the run then reports "not finished").
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+
+# The suite initialises NCCL and pins a GPU per rank: gloo, and no device to pin.
+_init_process_group = torch.distributed.init_process_group
+
+
+def _init_gloo(backend: str | None = None, *args, **kwargs):
+    kwargs.setdefault("timeout", COLLECTIVE_TIMEOUT)
+    return _init_process_group("gloo" if backend in (None, "nccl") else backend, *args, **kwargs)
+
+
+torch.distributed.init_process_group = _init_gloo
+torch.cuda.set_device = lambda device: None
+torch.cuda.device_count = lambda: 1
+torch.cuda.current_device = lambda: 0
+torch.cuda.synchronize = lambda device=None: None
+# Tensors and modules the tests move to the GPU stay on the CPU.
+torch.Tensor.cuda = lambda self, *args, **kwargs: self
+torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+
+
+def _cpu_device(device):
+    # A bare int is a CUDA ordinal (the suite passes torch.cuda.current_device()); a bool is not.
+    ordinal = isinstance(device, int) and not isinstance(device, bool)
+    if ordinal or (isinstance(device, (str, torch.device)) and torch.device(device).type == _CUDA):
+        return torch.device("cpu")
+    return device
+
+
+def _factory_on_cpu(make):
+    def factory(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        return make(*args, **kwargs)
+    return factory
+
+
+for _name in ("empty", "zeros", "ones", "rand", "randn", "randint", "arange", "full", "tensor", "empty_like",
+              "zeros_like", "ones_like", "full_like", "rand_like", "randn_like"):
+    setattr(torch, _name, _factory_on_cpu(getattr(torch, _name)))
+_to = torch.Tensor.to
+torch.Tensor.to = lambda self, *args, **kwargs: _to(self, *[_cpu_device(a) for a in args],
+                                                    **{k: _cpu_device(v) for k, v in kwargs.items()})
+
+# The suite's session fixture downloads test data (for other test folders) when /opt/data is empty;
+# this machine is offline and the downloader's imports (click, requests) are not installed.
+_offline = types.ModuleType("tests.test_utils.python_scripts.download_unit_tests_dataset")
+
+
+def _no_download(*args, **kwargs):
+    raise RuntimeError("offline: the CPU run downloads no test data")
+
+
+_offline.download_and_extract_asset = _no_download
+sys.modules[_offline.__name__] = _offline
+
+# Without Transformer Engine, Megatron's is_te_min_version compares None with a version (TypeError
+# in the suite's autouse fixture): no Transformer Engine is no minimum version of it.
+import importlib.util
+
+import megatron.core.utils as _megatron_utils
+
+if importlib.util.find_spec("transformer_engine") is None:
+    _megatron_utils.is_te_min_version = lambda version, check_equality=True: False
+
+if BACKEND == "bcp":
+    # The suite's conftest makes ('torch_dist', 1) the default save strategy; here that request
+    # gets bcp's ('bcp', 1). Strategies a test builds by class stay what they are.
+    import bcp_megatron  # noqa: F401  (registers ('bcp', 1))
+    from megatron.core.dist_checkpointing.strategies import base
+
+    _get_default_strategy = base.get_default_strategy
+
+    def _bcp_by_default(action, backend, version):
+        if action == base.StrategyAction.SAVE_SHARDED and (backend, version) == ("torch_dist", 1):
+            backend = "bcp"
+        return _get_default_strategy(action, backend, version)
+
+    for _module in list(sys.modules.values()):
+        if getattr(_module, "get_default_strategy", None) is _get_default_strategy:
+            _module.get_default_strategy = _bcp_by_default
+
+
+def pytest_configure(config) -> None:
+    # Ranks share checkpoints through basetemp's parent (the suite's tmp_path_dist_ckpt fixture).
+    config.option.basetemp = os.path.join(RESULTS, "tmp", f"rank{RANK}")
+
+
+def pytest_runtest_logreport(report) -> None:
+    with open(os.path.join(RESULTS, f"rank{RANK}.jsonl"), "a") as out:
+        out.write(json.dumps({"test": report.nodeid, "when": report.when, "outcome": report.outcome}) + "\n")
