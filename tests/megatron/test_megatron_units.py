@@ -1,5 +1,5 @@
 """bcp-megatron's pure parts in one process: Megatron keys to bcp entries, ShardedTensors to boxes
-(layer-stacked, ``flattened_range``, clipping), the object envelope, the 1-D coverage proof, the
+(layer-stacked, ``flattened_range``, clipping), the object envelope, the
 backend checks and the launcher's argument rewriting."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 import bcp
 from bcp.layout import Box
 from bcp_megatron import BcpLoadShardedStrategy
-from bcp_megatron.coverage import check_spans
 from bcp_megatron.launch import rewrite_args
 from bcp_megatron.shards import clip_to, entry_name, restored, sharded_key, storable, tensor_shards
 
@@ -68,16 +67,6 @@ def test_object_envelope_round_trip():
     assert restored(storable(io.BytesIO(b"fp8 meta"))).getvalue() == b"fp8 meta"
     with pytest.raises(bcp.CorruptCheckpointError, match="one-element list"):
         restored({"not": "an envelope"})
-
-
-def test_coverage_proof_names_gaps_and_overlaps():
-    check_spans([{"b": [10, [[0, 4], [4, 3]]]}, {"b": [10, [[7, 3], [0, 4]]]}])  # replicas of [0, 4) are fine
-    with pytest.raises(bcp.MismatchError, match=r"elements \[4, 5\) .* held by no rank"):
-        check_spans([{"b": [10, [[0, 4], [5, 5]]]}])
-    with pytest.raises(bcp.MismatchError, match=r"overlap at elements \[3, 4\)"):
-        check_spans([{"b": [10, [[0, 4]]]}, {"b": [10, [[3, 7]]]}])
-    with pytest.raises(bcp.MismatchError, match=r"elements \[8, 10\) of the tensor are held by no rank"):
-        check_spans([{"b": [10, [[0, 8]]]}])
 
 
 def test_load_strategy_refuses_other_backends_and_versions():

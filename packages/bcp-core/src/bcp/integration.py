@@ -22,7 +22,7 @@ from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.location import resolve as checkpoint_location
 from bcp.api.options import LoadOptions, SaveOptions
 from bcp.api.runtime import Runtime, reset_runtime, runtime
-from bcp.coord import Coordinator, default_coordinator
+from bcp.coord import Coordinator, as_coordinator, default_coordinator
 from bcp.coord.consensus import Outcome, all_agree, broadcast_from_root, gather_then_reply
 from bcp.layout.framework_pickle import refusing_pickled_code
 from bcp.layout.box import Box, flat_range_to_boxes
@@ -35,7 +35,8 @@ from bcp.storage import Storage, storage_for
 
 __all__ = [
     # coordination
-    "Coordinator", "default_coordinator", "Outcome", "all_agree", "gather_then_reply", "broadcast_from_root",
+    "Coordinator", "as_coordinator", "default_coordinator", "Outcome", "all_agree", "gather_then_reply",
+    "broadcast_from_root",
     # representation
     "Box", "flat_range_to_boxes", "Piece", "pieces_of", "CoverProblem", "first_cover_problem",
     "dtype_from_name", "dtype_name", "Manifest", "ObjectEntry", "TensorEntry",

@@ -15,7 +15,7 @@ from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 import bcp
-from bcp.integration import (Checkpoint, Coordinator, Manifest, Outcome, Piece, all_agree, default_coordinator,
+from bcp.integration import (Checkpoint, Manifest, Outcome, Piece, all_agree, as_coordinator,
                              dtype_from_name, open_checkpoint, pieces_of)
 
 from bcp_megatron.adapter import NAME as FRAMEWORK
@@ -25,27 +25,22 @@ _LISTED = 20
 
 
 class BcpLoader:
-    """The load both strategy flavours share, with its options."""
+    """The load both strategy flavours share, with its options (``allow_pickle``, ``verify``,
+    ``io_threads``, ``coordinator`` are used)."""
 
-    def __init__(self, *, allow_pickle: bool, verify: bool, io_threads: int, coordinator: Coordinator | None) -> None:
-        self.allow_pickle = allow_pickle
-        self.verify = verify
-        self.io_threads = io_threads
-        self.coordinator = coordinator
+    def __init__(self, options: bcp.LoadOptions) -> None:
+        self.options = options
 
     def load(self, sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike") -> dict:
-        return load_sharded(sharded_state_dict, checkpoint_dir, self.coordinator or default_coordinator(),
-                            allow_pickle=self.allow_pickle, verify=self.verify, io_threads=self.io_threads)
-
-
-def load_sharded(sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike", coord: Coordinator, *,
-                 allow_pickle: bool, verify: bool, io_threads: int) -> dict:
-    """Collective: fill every rank's ShardedTensors in place and return the state dict with each
-    sharded value replaced by its loaded tensor or object."""
-    checkpoint = open_checkpoint(checkpoint_dir, verify=verify, io_threads=io_threads, coordinator=coord)
-    loaded = Outcome.of(lambda: _read(sharded_state_dict, _megatron(checkpoint), allow_pickle))
-    all_agree(coord, Outcome(error=loaded.error), f"loading {checkpoint.path}")
-    return loaded.value
+        """Collective: fill every rank's ShardedTensors in place and return the state dict with each
+        sharded value replaced by its loaded tensor or object."""
+        options = self.options
+        coord = as_coordinator(options.coordinator)
+        checkpoint = open_checkpoint(checkpoint_dir, verify=options.verify, io_threads=options.io_threads,
+                                     coordinator=coord)
+        loaded = Outcome.of(lambda: _read(sharded_state_dict, _megatron(checkpoint), options.allow_pickle))
+        all_agree(coord, Outcome(error=loaded.error), f"loading {checkpoint.path}")
+        return loaded.value
 
 
 def read_manifest(checkpoint_dir: "str | os.PathLike") -> Manifest:

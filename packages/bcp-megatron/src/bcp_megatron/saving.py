@@ -1,37 +1,33 @@
-"""The save both strategy flavours share: a Megatron sharded state dict through ``bcp.save``, after
-the exact coverage check of its 1-D tensors."""
+"""The save both strategy flavours share: a Megatron sharded state dict through ``bcp.save`` (whose
+planner proves that the pieces of every tensor, the distributed optimizer's irregular 1-D buckets
+included, cover it exactly)."""
 
 from __future__ import annotations
 
 import os
 
 import bcp
-from bcp.integration import Coordinator, Outcome, default_coordinator
+from bcp.integration import as_coordinator
 
 from bcp_megatron.adapter import NAME as ADAPTER_NAME
 from bcp_megatron.adapter import MegatronValues
-from bcp_megatron.coverage import OneDimCoverage
 from bcp_megatron.shards import MODEL, OPTIMIZER, save_values
 
-DEFAULT_IO_THREADS = 4
+DEFAULT_IO_THREADS = bcp.SaveOptions().io_threads
 COMPONENTS = (MODEL, OPTIMIZER)
 
 
 class BcpSaver:
-    """Saves sharded state dicts; remembers which 1-D structure it already proved covered."""
+    """Saves sharded state dicts with ``options``."""
 
-    def __init__(self, *, allow_pickle: bool, io_threads: int, coordinator: Coordinator | None) -> None:
-        self.allow_pickle = allow_pickle
-        self.io_threads = io_threads
-        self.coordinator = coordinator
-        self._coverage = OneDimCoverage()
+    def __init__(self, options: bcp.SaveOptions) -> None:
+        self.options = options
 
     def save(self, sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike", *,
              async_save: bool) -> bcp.SaveHandle:
-        coord = self.coordinator or default_coordinator()
-        values = Outcome.of(lambda: save_values(sharded_state_dict))
-        self._coverage.check(coord, Outcome(values.value.spans if values.error is None else None, values.error))
+        coord = as_coordinator(self.options.coordinator)
+        values = save_values(sharded_state_dict)
         # Both components on every rank, so the manifest names Megatron whichever rank commits.
-        state = {component: MegatronValues(values.value.components.get(component, {})) for component in COMPONENTS}
-        return bcp.save(checkpoint_dir, state, framework=ADAPTER_NAME, async_save=async_save, coordinator=coord,
-                        allow_pickle=self.allow_pickle, io_threads=self.io_threads)
+        state = {component: MegatronValues(values.get(component, {})) for component in COMPONENTS}
+        return bcp.save(checkpoint_dir, state, self.options, framework=ADAPTER_NAME, async_save=async_save,
+                        coordinator=coord)

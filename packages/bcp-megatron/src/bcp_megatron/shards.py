@@ -10,7 +10,6 @@ of the box's row-major flattening, which becomes the few regular boxes that cove
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -120,21 +119,13 @@ def empty_like_chunk(sh_ten: ShardedTensor) -> torch.Tensor:
     return init(shape, dtype=sh_ten.dtype)
 
 
-@dataclass
-class SaveValues:
+def save_values(sharded_state_dict: dict) -> dict[str, dict[str, Any]]:
     """A rank's sharded state dict in bcp's terms: per component, its tensors (lists of
-    TensorShard, by Megatron key) and objects (by unique key); and its 1-D pieces for the
-    coverage check."""
+    TensorShard, by Megatron key) and objects (by unique key).
 
-    components: dict[str, dict[str, Any]]
-    spans: dict[str, list[Any]]
-
-
-def save_values(sharded_state_dict: dict) -> SaveValues:
-    """Every replica of a tensor box is offered (the core writes each box once, spreading the writes
+    Every replica of a tensor box is offered (the core writes each box once, spreading the writes
     over the replicas); an object is saved by its main replica, as Megatron defines it."""
     components: dict[str, dict[str, Any]] = {}
-    spans: dict[str, list[Any]] = {}
     for value in nested_values(sharded_state_dict):
         if isinstance(value, ShardedTensor):
             if value.data is None:
@@ -143,9 +134,6 @@ def save_values(sharded_state_dict: dict) -> SaveValues:
             component, key = name.split("/", 1)
             shards = tensor_shards(value)
             components.setdefault(component, {}).setdefault(key, []).extend(shards)
-            if len(value.global_shape) == 1:
-                parts = spans.setdefault(name, [value.global_shape[0], []])[1]
-                parts.extend([s.offsets[0], s.tensor.numel()] for s in shards)
         elif isinstance(value, ShardedObject):
             if is_main_replica(value.replica_id):
                 component, key = object_name(value).split("/", 1)
@@ -156,4 +144,4 @@ def save_values(sharded_state_dict: dict) -> SaveValues:
         else:
             raise UnsupportedValueError(f"a sharded state dict may hold only ShardedTensor and ShardedObject "
                                         f"values here, got {type(value).__name__}")
-    return SaveValues(components, spans)
+    return components

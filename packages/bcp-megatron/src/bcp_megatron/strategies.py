@@ -45,7 +45,8 @@ class BcpSaveShardedStrategy(AsyncSaveShardedStrategy):
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, allow_pickle: bool = False,
                  io_threads: int = DEFAULT_IO_THREADS, coordinator: Coordinator | None = None) -> None:
         super().__init__(backend, version)
-        self.saver = BcpSaver(allow_pickle=allow_pickle, io_threads=io_threads, coordinator=coordinator)
+        self.saver = BcpSaver(bcp.SaveOptions(allow_pickle=allow_pickle, io_threads=io_threads,
+                                              coordinator=coordinator))
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -69,8 +70,8 @@ class BcpLoadShardedStrategy(LoadShardedStrategy):
     def __init__(self, *, allow_pickle: bool = False, verify: bool = True, io_threads: int = DEFAULT_IO_THREADS,
                  coordinator: Coordinator | None = None) -> None:
         super().__init__()
-        self.loader = BcpLoader(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads,
-                                coordinator=coordinator)
+        self.loader = BcpLoader(bcp.LoadOptions(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads,
+                                                coordinator=coordinator))
 
     @property
     def can_handle_sharded_objects(self) -> bool:

@@ -42,7 +42,8 @@ class BcpSaveShardedStrategy(TorchDistSaveShardedStrategy):
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, allow_pickle: bool = False,
                  io_threads: int = DEFAULT_IO_THREADS, coordinator: Coordinator | None = None) -> None:
         super().__init__(backend, version)
-        self.saver = BcpSaver(allow_pickle=allow_pickle, io_threads=io_threads, coordinator=coordinator)
+        self.saver = BcpSaver(bcp.SaveOptions(allow_pickle=allow_pickle, io_threads=io_threads,
+                                              coordinator=coordinator))
 
     def can_handle_sharded_objects(self) -> bool:
         return True
@@ -63,8 +64,8 @@ class BcpLoadShardedStrategy(TorchDistLoadShardedStrategy):
     def __init__(self, *, allow_pickle: bool = False, verify: bool = True, io_threads: int = DEFAULT_IO_THREADS,
                  coordinator: Coordinator | None = None, cache_metadata: bool = False) -> None:
         super().__init__(cache_metadata=cache_metadata)
-        self.loader = BcpLoader(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads,
-                                coordinator=coordinator)
+        self.loader = BcpLoader(bcp.LoadOptions(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads,
+                                                coordinator=coordinator))
 
     def can_handle_sharded_objects(self) -> bool:
         return True
