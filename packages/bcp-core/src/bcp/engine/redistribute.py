@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from bcp.engine.reader import ShardReader
 from bcp.planning.load_plan import ReadOp
@@ -15,13 +14,14 @@ from bcp.planning.read_once import READ, RECEIVE
 
 def read_and_share(reader: ShardReader, ops: list[ReadOp], roles: list[list[Any]], group: Any,
                    threads: int) -> int:
-    """Run ``ops`` under ``roles`` (``read_once.assign_readers``) over the gloo ``group``;
-    returns the bytes received from other ranks."""
+    """Run ``ops`` under ``roles`` (``read_once.assign_readers``) over the coordinator's gloo
+    ``group`` (``coord.side_group.SideGroup``: peers are its member indices); returns the bytes
+    received from other ranks."""
     received: list[tuple[ReadOp, torch.Tensor, Any]] = []
     for op, (role, transfer, peer) in zip(ops, roles):
         if role == RECEIVE:  # posted first, so every send finds its receive waiting
             buffer = torch.empty(op.region.lengths, dtype=op.piece.tensor.dtype)
-            work = dist.irecv(buffer, src=dist.get_global_rank(group, peer), group=group, tag=transfer)
+            work = group.irecv(buffer, peer, transfer)
             received.append((op, buffer, work))
     reading = {id(op): role for op, role in zip(ops, roles) if role[0] == READ}
     sends = []
@@ -29,8 +29,7 @@ def read_and_share(reader: ShardReader, ops: list[ReadOp], roles: list[list[Any]
         _, transfer, receivers = reading[id(op)]
         if receivers:
             data = _region(op).contiguous()
-            sends += [dist.isend(data, dst=dist.get_global_rank(group, r), group=group, tag=transfer)
-                      for r in receivers]
+            sends += [group.isend(data, r, transfer) for r in receivers]
     for op, buffer, work in received:
         work.wait()
         _region(op).copy_(buffer)
