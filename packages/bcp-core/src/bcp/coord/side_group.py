@@ -32,6 +32,8 @@ REPORT_GRACE_S = 5.0
 _POLL_S = 0.05
 # gloo prefixes its messages with the C++ source position: "[.../pair.cc:537] Read error ...".
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]+:\d+\]\s*")
+# ... and ends them with generic advice ("This is typically caused by ...").
+_GLOO_ADVICE = re.compile(r"\s*This is typically caused by .*$")
 
 _lock = threading.Lock()
 # (members, timeout, channel) -> the side group handed out for them while one of its process groups lives.
@@ -95,7 +97,7 @@ class SideGroup:
                 if group is self:
                     del _live[key]
         silent, why = self._silent_members()
-        seen = _SOURCE_PREFIX.sub("", (str(exc).strip().splitlines() or [""])[0])
+        seen = _GLOO_ADVICE.sub("", _SOURCE_PREFIX.sub("", (str(exc).strip().splitlines() or [""])[0]))
         return DistributedError(
             f"checkpoint coordination over ranks {_ranks_text(self.members)} failed while {doing}: "
             f"no report from rank(s) {_ranks_text(silent)} {why}; "
@@ -109,19 +111,18 @@ class SideGroup:
         """The members that did not report a failure within the grace, and why they are named."""
         grace = min(self.timeout, REPORT_GRACE_S)
         others = [r for r in range(self.size) if r != self.rank]
+        unreachable = "(the store is unreachable: its host, usually rank 0 or the launcher, is gone)"
+        if self.store is None:  # the failure was the store's own
+            return [self.members[r] for r in others], unreachable
         try:
-            if self.store is None:
-                raise RuntimeError("no store")
             self.store.set(f"failed/{self.rank}", b"")
             deadline = time.monotonic() + grace
             while others and time.monotonic() < deadline:
                 others = [r for r in others if not self.store.check([f"failed/{r}"])]
                 if others:
                     time.sleep(_POLL_S)
-        except Exception as exc:  # the store's host is gone: often rank 0 itself, or the launcher
-            return ([self.members[r] for r in others],
-                    f"(the store is unreachable too, {type(exc).__name__}: its host, usually rank 0 "
-                    f"or the launcher, is gone)")
+        except Exception:  # torch raises DistNetworkError when the store's host died
+            return [self.members[r] for r in others], unreachable
         return [self.members[r] for r in others], f"within {grace:g}s (it died, hung or did not call bcp)"
 
     def _anchor(self, parent: "dist.ProcessGroup") -> None:
