@@ -66,12 +66,12 @@ class SideGroup:
         except Exception as exc:  # torch raises DistStoreError/DistNetworkError/RuntimeError here
             raise self.failed(f"setting up checkpoint coordination (channel {channel!r})", exc) from exc
 
-    def run(self, op: Callable[..., Any], *args: Any) -> None:
-        """Runs the collective ``op(backend, *args)`` to completion; a failure releases the group
-        and raises a ``DistributedError`` naming the members that did not report it."""
+    def run(self, op: Callable[[Any], Any]) -> None:
+        """Runs the collective ``op(backend)`` (it returns gloo's work) to completion; a failure
+        releases the group and raises a ``DistributedError`` naming the members that did not report it."""
         backend = self._backend()
         try:
-            op(backend, *args).wait()
+            op(backend).wait()
         except Exception as exc:  # DistBackendError/RuntimeError on timeouts and dead peers
             raise self.failed("exchanging", exc) from exc
 
@@ -139,8 +139,11 @@ def side_group(parent: "dist.ProcessGroup", timeout: float, channel: str) -> Sid
     """The side group for ``parent``'s members on ``channel``: the one already handed out while a
     live process group holds it, else a new one (collective over the members only)."""
     live = dist.distributed_c10d._world.pg_map
-    if parent not in live:
-        raise DistributedError("checkpoint coordination needs a live process group; this one was destroyed")
+    if parent == dist.GroupMember.NON_GROUP_MEMBER:  # torch's stand-in for a group this rank is not in
+        raise DistributedError(f"rank {dist.get_rank()} is not a member of the coordinator's process group")
+    if parent is None or parent not in live:
+        raise DistributedError("checkpoint coordination needs a live process group: this one was destroyed, "
+                               "or torch.distributed is not initialized")
     members = tuple(sorted(dist.get_process_group_ranks(parent)))
     if dist.get_rank() not in members:
         raise DistributedError(f"rank {dist.get_rank()} is not a member of the coordinator's process group "
