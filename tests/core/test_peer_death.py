@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 import bcp
 
+pytestmark = pytest.mark.distributed  # processes of its own, outside the rank pool
+
 TIMEOUT_S = 3.0  # the process group's timeout, hence the coordinator's
 CASE_LIMIT_S = 120  # the survivor has hung if it has not answered by then
 
