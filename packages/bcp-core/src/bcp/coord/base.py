@@ -34,8 +34,9 @@ class Coordinator(Protocol):
         """Identifies the channel: plans cached under it stay valid while the ranks stay the same."""
 
     def process_group(self) -> Any:
-        """A ``torch.distributed`` group over the same ranks, in the same order, for moving tensors
-        between ranks (``load(read_once=True)``); None where the transport has none."""
+        """A group over the same ranks, in the same order, that moves tensors between them
+        (``isend(tensor, member, tag)``/``irecv``, for ``load(read_once=True)``); None where the
+        transport has none."""
 
 
 class SingleProcessCoordinator:

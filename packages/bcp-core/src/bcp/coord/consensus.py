@@ -44,7 +44,7 @@ class Outcome:
 
 def all_agree(coord: Coordinator, local: Outcome, what: str) -> list[Any]:
     """Every rank's value; if any rank failed, every rank raises the same report."""
-    messages = [unpack(m) for m in coord.all_gather_bytes(local.packed(coord.rank))]
+    messages = [unpack(m) for m in _exchange(what, coord.all_gather_bytes, local.packed(coord.rank))]
     failures = [f for ok, body in messages if not ok for f in body]
     if failures:
         raise _error(coord, failures, local.error, what)
@@ -55,7 +55,7 @@ def gather_then_reply(coord: Coordinator, local: Outcome,
                       produce: Callable[[list[Any]], list[Any]], what: str) -> Any:
     """Rank 0 gathers every rank's value and ``produce`` turns them into one reply per rank; each
     rank returns its reply. A failure on any rank, or in ``produce``, is raised on every rank."""
-    gathered = coord.gather_bytes(local.packed(coord.rank))
+    gathered = _exchange(what, coord.gather_bytes, local.packed(coord.rank))
     own_error = local.error
     parts = None
     if gathered is not None:
@@ -69,7 +69,7 @@ def gather_then_reply(coord: Coordinator, local: Outcome,
                 failures = [_describe(coord.rank, exc)]
         if failures:
             parts = [pack([False, failures])] * coord.world_size
-    ok, body = unpack(coord.scatter_bytes(parts))
+    ok, body = unpack(_exchange(what, coord.scatter_bytes, parts))
     if not ok:
         raise _error(coord, body, own_error, what)
     return body
@@ -77,10 +77,19 @@ def gather_then_reply(coord: Coordinator, local: Outcome,
 
 def broadcast_from_root(coord: Coordinator, local: Outcome, what: str) -> Any:
     """Rank 0's value on every rank (``local`` matters on rank 0 only); its failure raises everywhere."""
-    ok, body = unpack(coord.broadcast_bytes(local.packed(0) if coord.rank == 0 else None))
+    ok, body = unpack(_exchange(what, coord.broadcast_bytes, local.packed(0) if coord.rank == 0 else None))
     if not ok:
         raise _error(coord, body, local.error if coord.rank == 0 else None, what)
     return body
+
+
+def _exchange(what: str, send: Callable[[Any], Any], message: Any) -> Any:
+    """One coordinator exchange; a failure of the transport itself (a dead or hung rank) is raised
+    as a ``DistributedError`` naming the phase it interrupted."""
+    try:
+        return send(message)
+    except Exception as exc:
+        raise errors.DistributedError(f"{what} failed: {exc}") from exc
 
 
 def _describe(rank: int, exc: BaseException) -> list[Any]:

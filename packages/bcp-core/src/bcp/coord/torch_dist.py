@@ -1,26 +1,24 @@
-"""The coordinator over ``torch.distributed``, on a CPU-side gloo group with a bounded timeout
-(even when training uses NCCL), so planning never touches the GPU and a dead rank fails fast."""
+"""The coordinator over ``torch.distributed``, on a CPU-side gloo group of bcp's own with a bounded
+timeout (even when training uses NCCL), so planning never touches the GPU and a dead rank fails
+fast. Its life, who takes part in creating it and how its failures are reported: ``side_group``."""
 
 from __future__ import annotations
-
-import datetime
 
 import torch
 import torch.distributed as dist
 
-from bcp.errors import DistributedError
+from bcp.coord.side_group import SideGroup, side_group
 
 DEFAULT_TIMEOUT_S = 600.0
 # Size of the block every exchange starts with (per rank, so it stays small for thousands of ranks).
 BLOCK_BYTES = 256
 _HEADER_BYTES = 16
 INLINE_BYTES = BLOCK_BYTES - _HEADER_BYTES
-# (id of parent group, timeout, channel) -> gloo group; entries whose group was destroyed are rebuilt.
-_groups: dict[tuple[int, float, str], "dist.ProcessGroup"] = {}
 
 
 class TorchCoordinator:
-    """Exchanges bytes over a gloo group derived from ``group`` (default: the world).
+    """Exchanges bytes over a gloo group of bcp's own with the members of ``group`` (default: the
+    world). Only those members construct it, together; ranks outside ``group`` take no part.
 
     ``timeout`` (seconds) bounds every exchange; by default it is the parent group's own timeout.
     """
@@ -31,17 +29,18 @@ class TorchCoordinator:
         self.parent = parent
         self.channel = channel
         self.timeout = timeout if timeout is not None else _group_timeout(parent)
-        self.group = _gloo_group(parent, self.timeout, channel)
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        self.group: SideGroup = side_group(parent, self.timeout, channel)
+        self.rank = self.group.rank
+        self.world_size = self.group.size
 
     def sibling(self) -> "TorchCoordinator":
         return TorchCoordinator(self.parent, self.timeout, channel=f"{self.channel}/background")
 
     def cache_key(self) -> object:
-        return (id(self.group), self.rank, self.world_size)
+        # The ranks, not the group object: a plan stays valid for a re-created group of the same ranks.
+        return ("torch.distributed", self.group.members, self.group.members[self.rank])
 
-    def process_group(self) -> "dist.ProcessGroup":
+    def process_group(self) -> SideGroup:
         return self.group
 
     # Every exchange first sends one fixed-size block per rank: a header and, when the message fits,
@@ -54,7 +53,7 @@ class TorchCoordinator:
         if max(sizes) <= INLINE_BYTES:
             return [_payload(b, n) for b, n in zip(blocks, sizes)]
         out = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(self.world_size)]
-        self._run(dist.all_gather, out, _to_tensor(data, max(sizes)), group=self.group)
+        self._run(lambda b: b.allgather([out], [_to_tensor(data, max(sizes))]))
         return [bytes(t[:n].numpy()) for t, n in zip(out, sizes)]
 
     def gather_bytes(self, data: bytes) -> list[bytes] | None:
@@ -64,57 +63,51 @@ class TorchCoordinator:
             return [_payload(b, n) for b, n in zip(blocks, sizes)] if self.rank == 0 else None
         # gloo's gather needs every rank's tensor the same size: the sizes just gathered give it.
         padded = _to_tensor(data, max(sizes))
-        dst = dist.get_global_rank(self.group, 0)
         if self.rank == 0:
             out = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(self.world_size)]
-            self._run(dist.gather, padded, out, dst=dst, group=self.group)
+            self._run(lambda b: b.gather([out], [padded]))
             return [bytes(t[:n].numpy()) for t, n in zip(out, sizes)]
-        self._run(dist.gather, padded, None, dst=dst, group=self.group)
+        self._run(lambda b: b.gather([], [padded]))
         return None
 
     def scatter_bytes(self, parts: list[bytes] | None) -> bytes:
-        src = dist.get_global_rank(self.group, 0)
         blocks = None
         if self.rank == 0:
             assert parts is not None and len(parts) == self.world_size
             width = max(len(p) for p in parts)
             blocks = [_block(p, width) for p in parts]
         out = torch.empty(BLOCK_BYTES, dtype=torch.uint8)
-        self._run(dist.scatter, out, blocks, src=src, group=self.group)
+        self._run(lambda b: b.scatter([out], [blocks] if blocks is not None else []))
         size, width = _size_of(out), _width_of(out)
         if width <= INLINE_BYTES:
             return _payload(out, size)
         big = torch.empty(width, dtype=torch.uint8)
         chunks = [_to_tensor(p, width) for p in parts] if self.rank == 0 else None
-        self._run(dist.scatter, big, chunks, src=src, group=self.group)
+        self._run(lambda b: b.scatter([big], [chunks] if chunks is not None else []))
         return bytes(big[:size].numpy())
 
     def broadcast_bytes(self, data: bytes | None) -> bytes:
-        src = dist.get_global_rank(self.group, 0)
         block = _block(data, len(data)) if self.rank == 0 else torch.empty(BLOCK_BYTES, dtype=torch.uint8)
-        self._run(dist.broadcast, block, src=src, group=self.group)
+        self._run(lambda b: b.broadcast([block]))
         size = _size_of(block)
         if size <= INLINE_BYTES:
             return _payload(block, size)
         buf = _to_tensor(data, size) if self.rank == 0 else torch.empty(size, dtype=torch.uint8)
-        self._run(dist.broadcast, buf, src=src, group=self.group)
+        self._run(lambda b: b.broadcast([buf]))
         return bytes(buf.numpy())
 
     def _all_gather_blocks(self, data: bytes) -> list[torch.Tensor]:
         blocks = [torch.empty(BLOCK_BYTES, dtype=torch.uint8) for _ in range(self.world_size)]
-        self._run(dist.all_gather, blocks, _block(data, len(data)), group=self.group)
+        self._run(lambda b: b.allgather([blocks], [_block(data, len(data))]))
         return blocks
 
-    def _run(self, op, *args, **kwargs) -> None:
-        try:
-            op(*args, **kwargs)
-        except BaseException as exc:  # torch raises DistBackendError/RuntimeError on timeouts and dead peers
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise DistributedError(
-                f"checkpoint coordination failed after at most {self.timeout:.0f}s "
-                f"(a rank died, hung or did not call bcp): {exc}"
-            ) from exc
+    def _run(self, op) -> None:
+        """Runs ``op(backend)`` on the side group; the root of every rooted collective is member 0,
+        the default of gloo's options. After a failure (which released the group, see
+        ``side_group``) the next exchange, that of a later save, rebuilds it."""
+        if self.group.backend is None:
+            self.group = side_group(self.parent, self.timeout, self.channel)
+        self.group.run(op)
 
 
 def _block(data: bytes, width: int) -> torch.Tensor:
@@ -154,15 +147,3 @@ def _group_timeout(group: "dist.ProcessGroup") -> float:
             return group._get_backend(torch.device("cuda")).options._timeout.total_seconds()
         except Exception:
             return DEFAULT_TIMEOUT_S
-
-
-def _gloo_group(parent: "dist.ProcessGroup", timeout: float, channel: str) -> "dist.ProcessGroup":
-    """One gloo group per (parent group, timeout, channel), created collectively on first use."""
-    key = (id(parent), timeout, channel)
-    group = _groups.get(key)
-    live = dist.distributed_c10d._world.pg_map
-    if group is None or group not in live or parent not in live:
-        ranks = None if parent is dist.group.WORLD else dist.get_process_group_ranks(parent)
-        group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-        _groups[key] = group
-    return group

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from bcp.engine.reader import ShardReader
 from bcp.layout.read_op import ReadOp, ReadRole
@@ -14,13 +13,13 @@ from bcp.layout.read_op import ReadOp, ReadRole
 
 def read_and_share(reader: ShardReader, ops: list[ReadOp], roles: list[ReadRole], group: Any,
                    threads: int) -> int:
-    """Run ``ops`` under ``roles`` (one per op) over the gloo ``group``; returns the bytes received
-    from other ranks."""
+    """Run ``ops`` under ``roles`` (one per op) over the coordinator's group (``process_group()``,
+    with ``isend``/``irecv`` to member indices); returns the bytes received from other ranks."""
     received: list[tuple[ReadOp, torch.Tensor, Any]] = []
     for op, role in zip(ops, roles):
         if not role.reads:  # posted first, so every send finds its receive waiting
             buffer = torch.empty(op.region.lengths, dtype=op.piece.tensor.dtype)
-            work = dist.irecv(buffer, src=dist.get_global_rank(group, role.peers[0]), group=group, tag=role.transfer)
+            work = group.irecv(buffer, role.peers[0], role.transfer)
             received.append((op, buffer, work))
     reading = {id(op): role for op, role in zip(ops, roles) if role.reads}
     sends = []
@@ -28,8 +27,7 @@ def read_and_share(reader: ShardReader, ops: list[ReadOp], roles: list[ReadRole]
         role = reading[id(op)]
         if role.peers:
             data = _region(op).contiguous()
-            sends += [dist.isend(data, dst=dist.get_global_rank(group, r), group=group, tag=role.transfer)
-                      for r in role.peers]
+            sends += [group.isend(data, r, role.transfer) for r in role.peers]
     for op, buffer, work in received:
         work.wait()
         _region(op).copy_(buffer)

@@ -1,0 +1,180 @@
+"""bcp's own gloo groups: the CPU channel a ``TorchCoordinator`` exchanges on.
+
+A side group is built over the world's store by its members alone, so ranks outside it take no
+part (two data-parallel groups each save on their own), and it is registered nowhere in torch, so
+it never shifts the names torch gives the user's own groups. It lives while some live process
+group it was handed out for does: each lookup drops the side groups whose process groups were all
+destroyed, and gloo's threads and sockets go with the last reference to it (a coordinator still
+holding one, such as an asynchronous save's, keeps it until it is done).
+
+A transport failure releases the group at once, so the other members' next exchange fails too
+instead of waiting out the timeout; each member then reports the failure on the store and names
+the members that did not report within a short grace (dead, hung or not calling bcp).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import re
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from bcp.errors import DistributedError
+
+# How long a member that saw a failure waits for the others' reports before naming the silent ones.
+REPORT_GRACE_S = 5.0
+_POLL_S = 0.05
+# gloo prefixes its messages with the C++ source position: "[.../pair.cc:537] Read error ...".
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]+:\d+\]\s*")
+# ... and ends them with generic advice ("This is typically caused by ...").
+_GLOO_ADVICE = re.compile(r"\s*This is typically caused by .*$")
+
+_lock = threading.Lock()
+# (members, timeout, channel) -> the side group handed out for them while one of its process groups lives.
+_live: dict[tuple[tuple[int, ...], float, str], "SideGroup"] = {}
+
+
+class SideGroup:
+    """A gloo group over ``members`` (global ranks, sorted) on one named channel; ``rank`` is this
+    process's index in ``members``. Every member constructs it, in the same order as the others."""
+
+    def __init__(self, members: tuple[int, ...], timeout: float, channel: str) -> None:
+        self.members = members
+        self.timeout = timeout
+        self.channel = channel
+        self.rank = members.index(dist.get_rank())
+        self.size = len(members)
+        self._parents: list[weakref.ref] = []
+        self.backend: Any = None
+        self.store: Any = None
+        try:
+            # Members meet under a prefix of their own: a counter per (members, timeout, channel)
+            # numbers each re-creation, and every member adds to it once per re-creation, so the
+            # k-th group of each member lands under the same prefix (no store key is ever reused).
+            base = dist.PrefixStore(f"bcp/coord/{_digest(members)}/{timeout:g}/{channel}/",
+                                    dist.distributed_c10d._get_default_store())
+            incarnation = (base.add("created", 1) - 1) // self.size
+            self.store = dist.PrefixStore(f"{incarnation}/", base)
+            self.backend = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self.store), self.rank, self.size,
+                                                 datetime.timedelta(seconds=timeout))
+        except Exception as exc:  # torch raises DistStoreError/DistNetworkError/RuntimeError here
+            raise self.failed(f"setting up checkpoint coordination (channel {channel!r})", exc) from exc
+
+    def run(self, op: Callable[[Any], Any]) -> None:
+        """Runs the collective ``op(backend)`` (it returns gloo's work) to completion; a failure
+        releases the group and raises a ``DistributedError`` naming the members that did not report it."""
+        backend = self._backend()
+        try:
+            op(backend).wait()
+        except Exception as exc:  # DistBackendError/RuntimeError on timeouts and dead peers
+            raise self.failed("exchanging", exc) from exc
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        """Sends ``tensor`` to member ``peer`` (an index in ``members``); returns the work to wait on."""
+        return self._backend().send([tensor], peer, tag)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
+        """Receives into ``tensor`` from member ``peer``; returns the work to wait on."""
+        return self._backend().recv([tensor], peer, tag)
+
+    def _backend(self) -> Any:
+        if self.backend is None:
+            raise DistributedError(f"checkpoint coordination over ranks {_ranks_text(self.members)} "
+                                   f"(channel {self.channel!r}) already failed")
+        return self.backend
+
+    def failed(self, doing: str, exc: BaseException) -> DistributedError:
+        """Releases the group and builds the error: what failed, which members stayed silent."""
+        self.backend = None  # the last reference: gloo closes its sockets, so the peers fail now too
+        with _lock:
+            for key, group in list(_live.items()):
+                if group is self:
+                    del _live[key]
+        silent, why = self._silent_members()
+        seen = _GLOO_ADVICE.sub("", _SOURCE_PREFIX.sub("", (str(exc).strip().splitlines() or [""])[0]))
+        return DistributedError(
+            f"checkpoint coordination over ranks {_ranks_text(self.members)} failed while {doing}: "
+            f"no report from rank(s) {_ranks_text(silent)} {why}; "
+            f"this rank (rank {self.members[self.rank]}) saw {type(exc).__name__}: {seen}"
+            if silent else
+            f"checkpoint coordination over ranks {_ranks_text(self.members)} failed while {doing} "
+            f"(every rank reported the failure); this rank (rank {self.members[self.rank]}) saw "
+            f"{type(exc).__name__}: {seen}")
+
+    def _silent_members(self) -> tuple[list[int], str]:
+        """The members that did not report a failure within the grace, and why they are named."""
+        grace = min(self.timeout, REPORT_GRACE_S)
+        others = [r for r in range(self.size) if r != self.rank]
+        unreachable = "(the store is unreachable: its host, usually rank 0 or the launcher, is gone)"
+        if self.store is None:  # the failure was the store's own
+            return [self.members[r] for r in others], unreachable
+        try:
+            self.store.set(f"failed/{self.rank}", b"")
+            deadline = time.monotonic() + grace
+            while others and time.monotonic() < deadline:
+                others = [r for r in others if not self.store.check([f"failed/{r}"])]
+                if others:
+                    time.sleep(_POLL_S)
+        except Exception:  # torch raises DistNetworkError when the store's host died
+            return [self.members[r] for r in others], unreachable
+        return [self.members[r] for r in others], f"within {grace:g}s (it died, hung or did not call bcp)"
+
+    def _anchor(self, parent: "dist.ProcessGroup") -> None:
+        if not any(ref() is parent for ref in self._parents):
+            self._parents.append(weakref.ref(parent))
+
+    def _anchored(self, live: Any) -> bool:
+        """Whether a process group it was handed out for is still alive (not destroyed)."""
+        self._parents = [ref for ref in self._parents if (p := ref()) is not None and p in live]
+        return bool(self._parents)
+
+
+def side_group(parent: "dist.ProcessGroup", timeout: float, channel: str) -> SideGroup:
+    """The side group for ``parent``'s members on ``channel``: the one already handed out while a
+    live process group holds it, else a new one (collective over the members only)."""
+    live = dist.distributed_c10d._world.pg_map
+    if parent == dist.GroupMember.NON_GROUP_MEMBER:  # torch's stand-in for a group this rank is not in
+        raise DistributedError(f"rank {dist.get_rank()} is not a member of the coordinator's process group")
+    if parent is None or parent not in live:
+        raise DistributedError("checkpoint coordination needs a live process group: this one was destroyed, "
+                               "or torch.distributed is not initialized")
+    members = tuple(sorted(dist.get_process_group_ranks(parent)))
+    if dist.get_rank() not in members:
+        raise DistributedError(f"rank {dist.get_rank()} is not a member of the coordinator's process group "
+                               f"(ranks {_ranks_text(members)})")
+    key = (members, timeout, channel)
+    # Every member reaches the same decision here: it depends only on which groups were created
+    # and destroyed, which members do in the same order (torch requires it for the groups themselves).
+    with _lock:
+        for k in [k for k, group in _live.items() if not group._anchored(live)]:
+            del _live[k]
+        group = _live.get(key)
+        if group is not None:
+            group._anchor(parent)
+            return group
+    group = SideGroup(members, timeout, channel)  # outside the lock: the rendezvous waits for peers
+    group._anchor(parent)
+    with _lock:
+        _live[key] = group
+    return group
+
+
+def _digest(members: tuple[int, ...]) -> str:
+    return hashlib.sha1(",".join(map(str, members)).encode(), usedforsecurity=False).hexdigest()[:16]
+
+
+def _ranks_text(ranks: "list[int] | tuple[int, ...]") -> str:
+    """Ranks with consecutive runs shortened: ``0-3, 8``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
