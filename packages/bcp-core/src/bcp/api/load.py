@@ -16,7 +16,7 @@ import torch
 from bcp.adapters import adapter_for
 from bcp.adapters.base import FrameworkAdapter
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
-from bcp.api.components import RESHARDED, apply, check_keys, collect
+from bcp.api.components import RESHARDED, SKIP, apply, check_keys, collect, is_per_rank
 from bcp.api.gc_pause import paused_gc
 from bcp.api.options import LoadOptions
 from bcp.api.results import LoadResult, PhaseStats
@@ -85,7 +85,7 @@ class _Plan:
 def _plan(state: dict[str, Any], adapter: FrameworkAdapter | None, checkpoint: Checkpoint, result: LoadResult,
           options: LoadOptions) -> _Plan:
     manifest = checkpoint.manifest
-    plan = _Plan(collect(state, adapter, for_load=True))
+    plan = _Plan(collect(state, adapter, for_load=True, saved=checkpoint.objects, path=result.path))
     _match_names(plan.wanted, checkpoint, options.strict, result)
     pieces: list[Piece] = []
     for name in result.loaded:
@@ -93,7 +93,8 @@ def _plan(state: dict[str, Any], adapter: FrameworkAdapter | None, checkpoint: C
             checkpoint.check_meta(name, *tensor_meta(name, plan.wanted[name]))
             pieces.extend(pieces_of(name, plan.wanted[name]))
         elif name in manifest.objects:
-            plan.values.append(name)
+            if plan.wanted[name] is not SKIP:
+                plan.values.append(name)
         else:
             raise MismatchError("saved as a tensor but the live value is not one, or the reverse",
                                 path=result.path, key=name)
@@ -133,7 +134,7 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
         loaded = {name: plan.wanted[name] for name in result.loaded if name in checkpoint.tensors}
         for name in plan.values:
             source = checkpoint.value_source(name, coord.rank)
-            if source != coord.rank and name.split("/", 1)[0] not in RESHARDED:
+            if source != coord.rank and is_per_rank(name):
                 result.from_rank0.append(name)
             loaded[name] = checkpoint.read_object(name, rank=source, allow_pickle=allow_pickle)
     return loaded
