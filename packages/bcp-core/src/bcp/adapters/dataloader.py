@@ -149,9 +149,10 @@ class DataloaderState:
                                              "does not hold that part's record", path=path, key=f"{COMPONENT}/{name}")
             parts.append((key, record["state"]))
         parts.sort(key=lambda item: (item[0].worker, item[0].dp))
-        if not isinstance(replicated, dict) or replicated.get("kind") != self._kind:
-            raise MismatchError(f"the dataloader state was saved as {replicated.get('kind')!r} state and the live "
-                                f"loader is a {type(self.loader).__name__}", path=path, key=COMPONENT)
+        kind = replicated.get("kind") if isinstance(replicated, dict) else None
+        if kind != self._kind:
+            raise MismatchError(f"the dataloader state was saved as {kind!r} state and the live loader is a "
+                                f"{type(self.loader).__name__} ({self._kind!r})", path=path, key=COMPONENT)
         if self._kind == _SHARDED:
             self.loader.load_dataloader_state(replicated["state"], [state for _, state in parts])
         else:
