@@ -35,8 +35,9 @@ def check_keys(state: Mapping[str, Any]) -> None:
 
 
 def is_per_rank(name: str) -> bool:
-    """Whether the value ``name`` is one rank's own (not resharded, not a dataloader part)."""
-    return name.split("/", 1)[0] not in (*RESHARDED, DATALOADER)
+    """Whether the value ``name`` is one rank's own (not resharded, not a dataloader part; a plain
+    ``dataloader`` value is one rank's own)."""
+    return name.split("/", 1)[0] not in RESHARDED and not name.startswith(f"{DATALOADER}/")
 
 
 def collect(state: Mapping[str, Any], adapter: FrameworkAdapter | None, *, for_load: bool,
