@@ -5,6 +5,9 @@ parallel layout loads into any other. See ``docs/format.md`` for the on-storage 
 """
 
 from bcp.adapters import FrameworkAdapter, register_adapter
+from bcp.adapters.dataloader import DataloaderState, PartKey, ShardedDataloader, assign_parts
+from bcp.adapters.distributed_sampler import ResumableDistributedSampler
+from bcp.adapters.token_stream import TokenStreamLoader
 from bcp.api import LoadOptions, LoadResult, PhaseStats, SaveHandle, SaveOptions, load, save, wait_pending_saves
 from bcp.coord import Coordinator, SingleProcessCoordinator, TorchCoordinator
 from bcp.errors import (
@@ -34,4 +37,6 @@ __all__ = [
     "FormatVersionError", "MismatchError", "StorageError", "UnsupportedValueError", "UnsafeCheckpointError",
     "AdapterError", "DistributedError",
     "__version__",
+    "DataloaderState", "ShardedDataloader", "PartKey", "assign_parts", "TokenStreamLoader",
+    "ResumableDistributedSampler",
 ]

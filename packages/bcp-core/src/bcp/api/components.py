@@ -1,16 +1,20 @@
 """The components of a ``state`` dict and how each is saved and restored.
 
-``model`` and ``optimizer`` go through the framework adapter and are resharded; every other key is
-a per-rank value (an object with ``state_dict``/``load_state_dict``, or a plain value).
+``model`` and ``optimizer`` go through the framework adapter and are resharded; ``dataloader``
+holding a :class:`DataloaderState` is saved as replicated and sharded parts and redistributed when
+the DP size changes; every other key is a per-rank value (an object with
+``state_dict``/``load_state_dict``, or a plain value).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 
 from bcp.adapters.base import FrameworkAdapter
+from bcp.adapters.dataloader import COMPONENT as DATALOADER
+from bcp.adapters.dataloader import DataloaderState
 from bcp.errors import CheckpointError, MismatchError
 
 MODEL = "model"
@@ -19,6 +23,8 @@ RESHARDED = (MODEL, OPTIMIZER)
 #: Per-rank values whose records from every saved rank are loaded together (the adapter resolves
 #: them by parameter name): which parameters a rank holds changes with the layout (pipeline stages).
 MERGED_ACROSS_RANKS = (f"{OPTIMIZER}/param_groups",)
+#: The value of a name a load leaves unread (a dataloader part another DP rank receives).
+SKIP = object()
 
 
 def is_stateful(obj: Any) -> bool:
@@ -33,9 +39,17 @@ def check_keys(state: Mapping[str, Any]) -> None:
             raise CheckpointError(f"component names must be non-empty strings without '/': {key!r}")
 
 
-def collect(state: Mapping[str, Any], adapter: FrameworkAdapter | None, *, for_load: bool) -> dict[str, Any]:
-    """Every value to save or fill, by full name: ``model/<fqn>``, ``optimizer/<name>``, and one
-    entry per other component."""
+def is_per_rank(name: str) -> bool:
+    """Whether the value ``name`` is one rank's own (not resharded, not a dataloader part; a plain
+    ``dataloader`` value is one rank's own)."""
+    return name.split("/", 1)[0] not in RESHARDED and not name.startswith(f"{DATALOADER}/")
+
+
+def collect(state: Mapping[str, Any], adapter: FrameworkAdapter | None, *, for_load: bool,
+            saved: Collection[str] = (), path: str | None = None) -> dict[str, Any]:
+    """Every value to save or fill, by full name: ``model/<fqn>``, ``optimizer/<name>``,
+    ``dataloader/<part>`` and one entry per other component. A load passes the ``saved`` value
+    names: every saved dataloader part is named, with :data:`SKIP` for those this rank does not read."""
     values: dict[str, Any] = {}
     model = state.get(MODEL)
     if MODEL in state:
@@ -44,7 +58,9 @@ def collect(state: Mapping[str, Any], adapter: FrameworkAdapter | None, *, for_l
         optimizer_values = adapter.optimizer_state(model, state[OPTIMIZER], for_load=for_load)
         values.update({f"{OPTIMIZER}/{k}": v for k, v in optimizer_values.items()})
     for key, obj in state.items():
-        if key not in RESHARDED:
+        if isinstance(obj, DataloaderState):
+            values.update(_dataloader_values(key, obj, for_load, saved, path))
+        elif key not in RESHARDED:
             values[key] = obj.state_dict() if is_stateful(obj) else obj
     if for_load:
         _check_not_meta(values)
@@ -67,6 +83,17 @@ def _tensors_of(value: Any) -> list[torch.Tensor]:
     return [s.tensor for s in shards if isinstance(getattr(s, "tensor", None), torch.Tensor)]
 
 
+def _dataloader_values(key: str, loader: DataloaderState, for_load: bool, saved: Collection[str],
+                       path: str | None) -> dict[str, Any]:
+    if key != DATALOADER:
+        raise CheckpointError(f"a DataloaderState belongs under the {DATALOADER!r} key, not {key!r}")
+    if not for_load:
+        return {f"{key}/{name}": value for name, value in loader.saved_values().items()}
+    prefix = f"{key}/"
+    names = [name[len(prefix):] for name in saved if name.startswith(prefix)]
+    return {prefix + name: loader if read else SKIP for name, read in loader.wanted(names, path).items()}
+
+
 def apply(state: dict[str, Any], adapter: FrameworkAdapter | None, loaded: dict[str, Any]) -> None:
     """Give loaded values back to the live objects (tensors were already filled in place)."""
     model = state.get(MODEL)
@@ -79,6 +106,8 @@ def apply(state: dict[str, Any], adapter: FrameworkAdapter | None, loaded: dict[
     if OPTIMIZER in by_component:
         adapter.load_optimizer_state(model, state[OPTIMIZER], by_component[OPTIMIZER])
     for key in list(state):
+        if isinstance(state[key], DataloaderState) and key in by_component:
+            state[key].restore(by_component[key])
         if key in RESHARDED or key not in loaded:
             continue
         if is_stateful(state[key]):

@@ -16,7 +16,7 @@ import torch
 from bcp.adapters import adapter_for
 from bcp.adapters.base import FrameworkAdapter
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
-from bcp.api.components import MERGED_ACROSS_RANKS, RESHARDED, apply, check_keys, collect
+from bcp.api.components import MERGED_ACROSS_RANKS, RESHARDED, SKIP, apply, check_keys, collect, is_per_rank
 from bcp.api.gc_pause import paused_gc
 from bcp.api.metrics import Monitor
 from bcp.api.names import NameMatch, listing, match_names, unexpected_across_ranks
@@ -105,7 +105,7 @@ class _Plan:
 def _plan(state: dict[str, Any], checkpoint: Checkpoint, result: LoadResult, options: LoadOptions) -> _Plan:
     manifest = checkpoint.manifest
     adapter = adapter_for(state, options.framework) if any(k in state for k in RESHARDED) else None
-    wanted = collect(state, adapter, for_load=True)
+    wanted = collect(state, adapter, for_load=True, saved=checkpoint.objects, path=result.path)
     plan = _Plan(adapter, wanted, match_names(wanted, checkpoint, options.strict))
     result.loaded, result.missing = plan.names.loaded, plan.names.missing
     pieces: list[Piece] = []
@@ -114,7 +114,8 @@ def _plan(state: dict[str, Any], checkpoint: Checkpoint, result: LoadResult, opt
             checkpoint.check_meta(name, *tensor_meta(name, plan.wanted[name]))
             pieces.extend(pieces_of(name, plan.wanted[name]))
         elif name in manifest.objects:
-            plan.values.append(name)
+            if plan.wanted[name] is not SKIP:
+                plan.values.append(name)
         else:
             raise MismatchError("saved as a tensor but the live value is not one, or the reverse",
                                 path=result.path, key=name)
@@ -158,7 +159,7 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
                 loaded[name] = [item for value in merged for item in value]
                 continue
             source = checkpoint.value_source(name, coord.rank)
-            if source != coord.rank and name.split("/", 1)[0] not in RESHARDED:
+            if source != coord.rank and is_per_rank(name):
                 result.from_rank0.append(name)
             loaded[name] = checkpoint.read_object(name, rank=source, allow_pickle=allow_pickle)
     return loaded

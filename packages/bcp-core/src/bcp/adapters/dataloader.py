@@ -1,0 +1,183 @@
+"""The ``dataloader`` component: a loader's state as a replicated part (saved once) and sharded
+parts (one per read worker of each data-parallel rank), redistributed when the DP size changes.
+
+A checkpoint stores them as per-rank values under ``dataloader/``: ``dataloader/replicated`` (written
+by the writer of DP index 0) and ``dataloader/shard/dp<d>-of-<D>/worker<w>-of-<W>`` (written by the
+writer of DP index ``d``: the TP/PP rank 0 of that DP group). The names alone say which parts exist,
+so a rank knows before reading anything which parts it needs and whether any is missing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Protocol, runtime_checkable
+
+from bcp.errors import CheckpointError, CorruptCheckpointError, MismatchError
+
+COMPONENT = "dataloader"
+REPLICATED = "replicated"
+_PART_NAME = re.compile(r"shard/dp(\d+)-of-(\d+)/worker(\d+)-of-(\d+)")
+#: How the replicated part says what the sharded parts are.
+_SHARDED, _PER_RANK = "sharded", "per_rank_state_dict"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class PartKey:
+    """Which sharded part: DP index ``dp`` of ``dp_size``, read worker ``worker`` of ``workers``."""
+
+    dp: int
+    dp_size: int
+    worker: int
+    workers: int
+
+    @property
+    def name(self) -> str:
+        """The part's value name under ``dataloader/``."""
+        return f"shard/dp{self.dp}-of-{self.dp_size}/worker{self.worker}-of-{self.workers}"
+
+    @staticmethod
+    def parse(name: str) -> "PartKey | None":
+        found = _PART_NAME.fullmatch(name)
+        return PartKey(*map(int, found.groups())) if found else None
+
+
+@runtime_checkable
+class ShardedDataloader(Protocol):
+    """A loader whose state separates what every DP rank shares from what each read worker holds.
+
+    ``sharded_states()`` gives one state per read worker of this DP rank (token buffer, per-source
+    offsets...), each an atom that moves whole to a new DP rank when the DP size changes;
+    ``load_dataloader_state`` receives the replicated state and the sharded states assigned to this
+    rank (by :func:`assign_parts`, or the loader's own ``assign_parts`` method when it has one), in
+    order. Every state is a value of bcp's safe encoding (JSON types, tensors, bytes...).
+    """
+
+    def replicated_state(self) -> Any: ...
+
+    def sharded_states(self) -> list[Any]: ...
+
+    def load_dataloader_state(self, replicated: Any, sharded: list[Any]) -> None: ...
+
+
+def assign_parts(saved: list[PartKey], dp_size: int) -> list[list[PartKey]]:
+    """The saved parts each of ``dp_size`` new DP ranks receives.
+
+    Same DP size: every DP index gets its own parts back. Otherwise the parts are dealt round-robin
+    in (worker, dp) order: the order in which a DP-agnostic global stream of parts was dealt to the
+    saving ranks, so dealing again is stable (the same size gives the same assignment) and every
+    part goes to exactly one new rank. A part is never split: with more new ranks than parts, some
+    ranks receive none.
+    """
+    if saved and saved[0].dp_size == dp_size:
+        return [[key for key in sorted(saved) if key.dp == dp] for dp in range(dp_size)]
+    dealt: list[list[PartKey]] = [[] for _ in range(dp_size)]
+    for i, key in enumerate(sorted(saved, key=lambda k: (k.worker, k.dp))):
+        dealt[i % dp_size].append(key)
+    return dealt
+
+
+class DataloaderState:
+    """The value of a state dict's ``"dataloader"`` entry: a loader and where this rank stands.
+
+    ``loader`` is a :class:`ShardedDataloader` (resharded exactly when the DP size changes) or any
+    object with ``state_dict``/``load_state_dict`` such as torchdata's ``StatefulDataLoader`` (saved
+    as one part per DP index; restored only on the same DP size, since its state is one opaque
+    position within its own DP shard of the data). ``writer``: whether this rank writes its DP
+    index's parts; exactly one rank per DP group should (the TP/PP rank 0 of that group), every
+    rank of the group reads them back.
+    """
+
+    def __init__(self, loader: Any, *, dp_rank: int, dp_size: int, writer: bool = True) -> None:
+        if not (isinstance(dp_size, int) and dp_size >= 1 and isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
+            raise CheckpointError(f"dataloader state needs 0 <= dp_rank < dp_size, got {dp_rank} of {dp_size}",
+                                  key=COMPONENT)
+        sharded = isinstance(loader, ShardedDataloader)
+        if not sharded and not (callable(getattr(loader, "state_dict", None))
+                                and callable(getattr(loader, "load_state_dict", None))):
+            raise CheckpointError(f"a {type(loader).__name__} is neither a ShardedDataloader nor has "
+                                  "state_dict/load_state_dict", key=COMPONENT)
+        self.loader, self.dp_rank, self.dp_size, self.writer = loader, dp_rank, dp_size, writer
+        self._kind = _SHARDED if sharded else _PER_RANK
+
+    def saved_values(self) -> dict[str, Any]:
+        """The values this rank writes, by name under ``dataloader/`` (none unless it is a writer)."""
+        if not self.writer:
+            return {}
+        states = self.loader.sharded_states() if self._kind == _SHARDED else [self.loader.state_dict()]
+        if not states:
+            raise CheckpointError(f"DP index {self.dp_rank}: the loader gave no sharded state (one per read "
+                                  "worker, at least one)", key=COMPONENT)
+        values: dict[str, Any] = {}
+        if self.dp_rank == 0:
+            replicated = self.loader.replicated_state() if self._kind == _SHARDED else None
+            values[REPLICATED] = {"kind": self._kind, "dp_size": self.dp_size, "state": replicated}
+        for worker, state in enumerate(states):
+            key = PartKey(self.dp_rank, self.dp_size, worker, len(states))
+            values[key.name] = {"dp": key.dp, "worker": key.worker, "state": state}
+        return values
+
+    def wanted(self, saved_names: Iterable[str], path: str | None = None) -> dict[str, bool]:
+        """Every saved name under ``dataloader/`` -> whether this rank reads it (its parts after
+        resharding, and the replicated part). Checks from the names alone that no part is missing."""
+        names = list(saved_names)
+        if REPLICATED not in names:
+            raise MismatchError("the checkpoint holds no dataloader state (no dataloader/replicated)",
+                                path=path, key=COMPONENT)
+        keys = _complete_parts(names, path)
+        if self._kind == _PER_RANK and keys and keys[0].dp_size != self.dp_size:
+            raise MismatchError(
+                f"the dataloader's state was saved on {keys[0].dp_size} DP ranks and is loaded on {self.dp_size}: "
+                f"a {type(self.loader).__name__}'s state_dict is a position within its own DP shard of the data "
+                "and cannot be split or merged; implement bcp.ShardedDataloader to reshard it, or leave it out "
+                "of the state", path=path, key=COMPONENT)
+        assign = getattr(self.loader, "assign_parts", assign_parts)
+        mine = {key.name for key in assign(keys, self.dp_size)[self.dp_rank]}
+        return {name: name == REPLICATED or name in mine for name in names}
+
+    def restore(self, values: dict[str, Any], path: str | None = None) -> None:
+        """Give the loader the values read (names under ``dataloader/``), parts in (worker, dp) order."""
+        replicated = values[REPLICATED]
+        parts = []
+        for name, record in values.items():
+            key = PartKey.parse(name)
+            if key is None:
+                continue
+            if not (isinstance(record, dict) and record.get("dp") == key.dp and record.get("worker") == key.worker
+                    and "state" in record):
+                raise CorruptCheckpointError(f"the dataloader part of DP index {key.dp}, worker {key.worker} "
+                                             "does not hold that part's record", path=path, key=f"{COMPONENT}/{name}")
+            parts.append((key, record["state"]))
+        parts.sort(key=lambda item: (item[0].worker, item[0].dp))
+        kind = replicated.get("kind") if isinstance(replicated, dict) else None
+        if kind != self._kind:
+            raise MismatchError(f"the dataloader state was saved as {kind!r} state and the live loader is a "
+                                f"{type(self.loader).__name__} ({self._kind!r})", path=path, key=COMPONENT)
+        if self._kind == _SHARDED:
+            self.loader.load_dataloader_state(replicated["state"], [state for _, state in parts])
+        else:
+            self.loader.load_state_dict(parts[0][1])
+
+
+def _complete_parts(names: list[str], path: str | None) -> list[PartKey]:
+    """The saved parts; every DP index must have every one of its workers' parts."""
+    keys = [key for name in names if (key := PartKey.parse(name)) is not None]
+    if not keys:
+        raise CorruptCheckpointError("the dataloader state has no sharded parts", path=path, key=COMPONENT)
+    dp_size = keys[0].dp_size
+    by_dp: dict[int, list[PartKey]] = {}
+    for key in keys:
+        if key.dp_size != dp_size or key.dp >= dp_size or key.worker >= key.workers:
+            raise CorruptCheckpointError(f"dataloader part of DP index {key.dp} does not fit the DP size {dp_size}",
+                                         path=path, key=f"{COMPONENT}/{key.name}")
+        by_dp.setdefault(key.dp, []).append(key)
+    for dp in range(dp_size):
+        present = by_dp.get(dp, [])
+        workers = present[0].workers if present else 0
+        if not present or sorted(k.worker for k in present) != list(range(workers)) \
+                or any(k.workers != workers for k in present):
+            have = sorted(k.worker for k in present)
+            raise CorruptCheckpointError(f"dataloader parts of DP index {dp} are missing (workers present: {have}"
+                                         f"{f' of {workers}' if workers else ''})", path=path,
+                                         key=f"{COMPONENT}/shard/dp{dp}-of-{dp_size}")
+    return keys

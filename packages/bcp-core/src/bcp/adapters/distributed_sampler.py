@@ -1,0 +1,72 @@
+"""A distributed sampler whose position survives a change of the DP size (a :class:`ShardedDataloader`).
+
+It walks the epoch's permutation as torch's ``DistributedSampler`` does (the same permutation for a
+seed and epoch; DP rank ``r`` of ``D`` takes positions ``r, r + D, r + 2D, ...``) but does not pad the
+last round. Its position is global: the epoch, the position the epoch resumed from, and how many
+samples each rank has taken since. A load on another DP size continues the global order at the
+first position not yet taken; that is exact when every rank had taken the same number of samples
+(ranks step in lockstep), and refused otherwise, since the taken positions are then not a prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+from bcp.adapters.dataloader import PartKey
+from bcp.errors import MismatchError
+
+
+class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
+    """Indices of a dataset of ``size`` samples for DP rank ``dp_rank`` of ``dp_size``."""
+
+    def __init__(self, size: int, *, dp_rank: int, dp_size: int, shuffle: bool = True, seed: int = 0) -> None:
+        self.size, self.dp_rank, self.dp_size, self.shuffle, self.seed = size, dp_rank, dp_size, shuffle, seed
+        self.epoch, self.start, self.taken = 0, 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.start, self.taken = epoch, 0, 0
+
+    def order(self) -> list[int]:
+        """The epoch's global order (the permutation every rank walks)."""
+        if not self.shuffle:
+            return list(range(self.size))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.size, generator=generator).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.order()
+        while (position := self.start + self.dp_rank + self.taken * self.dp_size) < self.size:
+            self.taken += 1
+            yield order[position]
+
+    def __len__(self) -> int:
+        return len(range(self.start + self.dp_rank + self.taken * self.dp_size, self.size, self.dp_size))
+
+    def replicated_state(self) -> dict[str, Any]:
+        return {"size": self.size, "shuffle": self.shuffle, "seed": self.seed, "epoch": self.epoch, "start": self.start}
+
+    def sharded_states(self) -> list[dict[str, Any]]:
+        return [{"taken": self.taken}]
+
+    @staticmethod
+    def assign_parts(saved: list[PartKey], dp_size: int) -> list[list[PartKey]]:
+        """Every rank reads every rank's count: the global position needs them all (they are tiny)."""
+        return [list(saved) for _ in range(dp_size)]
+
+    def load_dataloader_state(self, replicated: Any, sharded: list[Any]) -> None:
+        config = {k: replicated[k] for k in ("size", "shuffle", "seed")}
+        if config != {"size": self.size, "shuffle": self.shuffle, "seed": self.seed}:
+            raise MismatchError(f"the sampler was saved with {config}", key="dataloader/replicated")
+        self.epoch, self.start = int(replicated["epoch"]), int(replicated["start"])
+        taken = [int(part["taken"]) for part in sharded]  # one part per saved DP rank, in DP order
+        if len(taken) == self.dp_size:
+            self.taken = taken[self.dp_rank]
+        elif len(set(taken)) == 1:
+            self.start, self.taken = self.start + taken[0] * len(taken), 0
+        else:
+            raise MismatchError(f"the saved ranks had taken different numbers of samples ({taken}): the taken "
+                                f"positions are not a prefix of the order, so they cannot be continued on "
+                                f"{self.dp_size} DP ranks", key="dataloader")
