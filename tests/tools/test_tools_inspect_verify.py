@@ -90,8 +90,10 @@ def test_verify_finds_tensors_the_shards_do_not_cover(ckpt):
 
     report = verify_checkpoint(ckpt)
     assert report.generation == 2
-    assert [(p.entry, p.message) for p in report.problems] == [
-        ("model/embed.weight", "the shards hold 30 of the tensor's 60 elements")]
+    [problem] = report.problems
+    assert problem.entry == "model/embed.weight"
+    assert problem.message.startswith("the saved shards do not cover the tensor exactly") and "held by no shard" in \
+        problem.message
 
 
 def test_unreadable_checkpoints_fail_with_a_clear_message(ckpt, tmp_path, capsys):

@@ -3,12 +3,11 @@ covered exactly once by its shards) and intact (every stored byte matches its ch
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
-from bcp.errors import CheckpointError, UnsafeCheckpointError
+from bcp.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from bcp.layout.manifest import ByteRange
 from bcp.layout.values import decode_value
 from bcp.storage import Storage
@@ -17,8 +16,6 @@ from bcp.tools.progress import NoProgress, Progress
 
 # Bytes read per request; a multiple of the checksum chunk so every request verifies whole chunks.
 BLOCK_CHUNKS = 4
-# Beyond this many shards of one tensor, overlap is not checked pairwise (coverage by volume still is).
-PAIRWISE_LIMIT = 2048
 
 
 @dataclass
@@ -70,7 +67,7 @@ class _Verifier:
         self.progress.start("verify", sum(r.nbytes for _, r in self.ranges() if r.file not in self.bad_files))
         try:
             for name, entry in self.manifest.tensors.items():
-                self.check_coverage(name, entry)
+                self.check_coverage(name)
                 if all(self.check_bytes(name, s.bytes) for s in entry.shards):
                     self.report.tensors += 1
             for name, entry in self.manifest.objects.items():
@@ -112,16 +109,12 @@ class _Verifier:
                 self.problem(None, f"data file {file} has {size - needed[index]} bytes after its last stored "
                                    f"range (appended or not written by bcp)")
 
-    def check_coverage(self, name: str, entry: Any) -> None:
-        boxes = [s.box for s in entry.shards]
-        total, covered = math.prod(entry.shape), sum(b.numel for b in boxes)
-        if covered != total:
-            self.problem(name, f"the shards hold {covered} of the tensor's {total} elements")
-        elif len(boxes) <= PAIRWISE_LIMIT:
-            for i, a in enumerate(boxes):
-                if any(a.intersect(b) is not None for b in boxes[i + 1:]):
-                    self.problem(name, f"shard {a} overlaps another shard")
-                    return
+    def check_coverage(self, name: str) -> None:
+        """The reader door's exact coverage check (``layout.coverage``), as a load runs it."""
+        try:
+            self.checkpoint.check_covered([name])
+        except CorruptCheckpointError as exc:
+            self.problem(name, exc.message)
 
     def check_bytes(self, name: str, where: ByteRange) -> bool:
         """Read a stored range block by block; the reader checks every chunk's checksum."""
