@@ -27,12 +27,14 @@ class Bcp:
     through its channel, the plan cache entry)."""
 
     def __init__(self, name: str = "bcp", coordinator: Callable[[], Any] | None = None,
-                 io_threads: int = 4, verify: bool = True, read_once: bool = False) -> None:
+                 io_threads: int = 4, verify: bool = True, read_once: bool = False,
+                 transactional: bool = True) -> None:
         self.name = name
         self._coordinator = coordinator or (lambda: None)
         self.io_threads = io_threads
         self.verify = verify
         self.read_once = read_once
+        self.transactional = transactional
         self.last_save: bcp.PhaseStats | None = None
         self.last_load: bcp.PhaseStats | None = None
 
@@ -46,7 +48,7 @@ class Bcp:
 
     def load(self, path: str, dest: Tensors) -> Tensors:
         result = bcp.load(path, {"model": dest}, coordinator=self._coordinator(), io_threads=self.io_threads,
-                          verify=self.verify, read_once=self.read_once)
+                          verify=self.verify, read_once=self.read_once, transactional=self.transactional)
         self.last_load = result.stats
         return dest
 

@@ -49,10 +49,12 @@ def save_and_load(record: Record, config: dict, state: dict[str, torch.Tensor]) 
     io = config["io_threads"]
     bcp, first = Bcp(io_threads=io), Bcp(FIRST_SAVE, PlanChannel.fresh, io)
     unverified = Bcp(io_threads=io, verify=False)  # shows what checksum verification costs
+    in_place = Bcp(io_threads=io, transactional=False)  # shows what placing only verified bytes costs
     tuned = Dcp(config["dcp_threads"])
     entries = [Entry(m.name, saving(m, state), raw_loads(m)) for m in (RawFiles(1), RawFiles(io))]
     entries += [
-        Entry(bcp.name, saving(bcp, state), loads(bcp) + loads(unverified, "bcp, load with verify=False"),
+        Entry(bcp.name, saving(bcp, state), loads(bcp) + loads(unverified, "bcp, load with verify=False")
+              + loads(in_place, "bcp, load with transactional=False"),
               after_save=keep_phases(record, "1p", bcp, ONE)),
         Entry(first.name, saving(first, state), after_save=keep_phases(record, "1p first", first, ONE)),
         Entry("DCP", saving(Dcp(), state), loads(Dcp())),
