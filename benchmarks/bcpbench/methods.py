@@ -28,13 +28,14 @@ class Bcp:
 
     def __init__(self, name: str = "bcp", coordinator: Callable[[], Any] | None = None,
                  io_threads: int = 4, verify: bool = True, read_once: bool = False,
-                 transactional: bool = True) -> None:
+                 transactional: bool = True, metrics_log: bool = False) -> None:
         self.name = name
         self._coordinator = coordinator or (lambda: None)
         self.io_threads = io_threads
         self.verify = verify
         self.read_once = read_once
         self.transactional = transactional
+        self.metrics_log = metrics_log
         self.last_save: bcp.PhaseStats | None = None
         self.last_load: bcp.PhaseStats | None = None
 
@@ -44,7 +45,7 @@ class Bcp:
 
     def save_async(self, path: str, state: Tensors) -> bcp.SaveHandle:
         return bcp.save(path, {"model": state}, async_save=True, coordinator=self._coordinator(),
-                        io_threads=self.io_threads)
+                        io_threads=self.io_threads, metrics_log=self.metrics_log)
 
     def load(self, path: str, dest: Tensors) -> Tensors:
         result = bcp.load(path, {"model": dest}, coordinator=self._coordinator(), io_threads=self.io_threads,

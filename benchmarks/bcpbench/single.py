@@ -74,8 +74,9 @@ def async_blocking(record: Record, config: dict, state: dict[str, torch.Tensor])
     at every call), after one untimed call that allocates reusable buffers where there are any."""
     _, buffers = zeros_in_one_block({n: tuple(t.shape) for n, t in state.items()})
     savers = [Bcp(io_threads=config["io_threads"]), methods.DcpAsync(reuse_stager=False),
-              methods.DcpAsync(reuse_stager=True)]
-    names = ["bcp async_save", savers[1].name, savers[2].name]
+              methods.DcpAsync(reuse_stager=True), Bcp(io_threads=config["io_threads"], metrics_log=True)]
+    # the last: the metrics log appended too (every save builds its metrics record either way)
+    names = ["bcp async_save", savers[1].name, savers[2].name, "bcp async_save, metrics log on"]
     floor = "bare copy into reused buffers"
     for rep in range(-1, config["reps"]):
         for name in rotated([floor, *names], max(rep, 0)):

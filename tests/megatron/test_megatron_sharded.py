@@ -252,3 +252,18 @@ def test_irregular_pieces_with_a_gap_hidden_by_an_overlap_are_refused(ranks, tmp
     # [0, 4) + [5, 9) + [8, 23): the volume is right, Megatron does not check irregular pieces.
     for outcome in ranks(2).run(save_with_gap, str(tmp_path)):
         assert outcome.startswith("MismatchError") and "offsets [4] with lengths [1] are held by no shard" in outcome
+
+
+def save_with_metrics(path: str) -> list | None:
+    from megatron_parts import parallel
+
+    with parallel(tp=2):
+        strategy = bcp_megatron.BcpSaveShardedStrategy()
+        handle = strategy.saver.save(sharded_state(dist.get_rank()), path, async_save=False)
+    metrics = handle.metrics  # rank 0 holds the operation's record
+    return None if metrics is None else [rank.topology for rank in metrics.ranks]
+
+
+def test_saves_carry_megatrons_parallel_coordinates_into_the_metrics(ranks, tmp_path):
+    topologies = ranks(2).run(save_with_metrics, str(tmp_path))[0]
+    assert topologies == [{"dp": 0, "tp": 0, "pp": 0, "ep": 0}, {"dp": 0, "tp": 1, "pp": 0, "ep": 0}]

@@ -91,16 +91,18 @@ def test_save_and_load_succeed_through_20_percent_faults_and_every_retry_is_logg
         storage = S3Storage(s3_url, retry=RetryPolicy(first_delay_s=0.01), **s3_server.options(proxy.endpoint))
         model, optimizer = build("plain", seed=1)
         train(model, optimizer, range(2))
-        for _ in range(3):  # several generations: commits, listings and retention all meet faults
-            bcp.save(storage, {"model": model, "optimizer": optimizer})
+        records = [bcp.save(storage, {"model": model, "optimizer": optimizer}).metrics
+                   for _ in range(3)]  # several generations: commits, listings and retention all meet faults
         fresh, fresh_optimizer = build("plain", seed=2)
-        bcp.load(storage, {"model": fresh, "optimizer": fresh_optimizer})
+        records.append(bcp.load(storage, {"model": fresh, "optimizer": fresh_optimizer}).metrics)
     finally:
         proxy.close()
     assert_bitwise(full_state(model, optimizer), full_state(fresh, fresh_optimizer))
     retries = storage.stats.snapshot()["retries"]
     logged = [r for r in storage_log.records if r.name == "bcp.storage" and "retrying" in r.getMessage()]
     assert sum(proxy.faults.values()) > 0 and sum(retries.values()) == len(logged) > 0
+    # each operation's metrics record carries the retries made during it: together, all of them
+    assert sum(sum(record.ranks[0].retries.values()) for record in records) == sum(retries.values())
     assert storage.stats.snapshot()["failures"] == {}
 
 

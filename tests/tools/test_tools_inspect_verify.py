@@ -115,13 +115,15 @@ def test_progress_is_drawn_on_a_terminal_only(ckpt):
         def isatty(self) -> bool:
             return True
 
-    assert not isinstance(progress_for(io.StringIO()), TerminalProgress)
+    assert not isinstance(progress_for(io.StringIO()), TerminalProgress)  # a pipe or a log: nothing
+    assert not isinstance(progress_for(Terminal(), quiet=True), TerminalProgress)  # --quiet
     screen = Terminal()
     progress = progress_for(screen)
     assert isinstance(progress, TerminalProgress)
     verify_checkpoint(ckpt, progress=progress)
     drawn = screen.getvalue()
-    assert "verify [" in drawn and "100%" in drawn and drawn.endswith("\r\033[K")  # erased when done
+    assert drawn.startswith("\rverify:") and "B/s" in drawn and "<" in drawn  # done of total, speed, time left
+    assert drawn.rstrip(" ").endswith("\r")  # erased when done: the cursor is back at an emptied line
 
 
 def test_summary_of_a_generation_in_progress(ckpt):

@@ -72,7 +72,7 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLi
         state["model"] = model
     if optimizers:
         state["optimizer"] = components.optimizer_component(models, optimizers, for_load=False)
-    bcp.save(folder, state).wait()
+    bcp.save(folder, state, topology=process_topology(accelerator)).wait()
 
     # Every rank waits for the clean-up so that none looks at folders being deleted.
     on_all_ranks(lambda: _clean_up(accelerator, folder, files_dir), f"removing what {folder} replaced")
@@ -125,7 +125,7 @@ def _load_through_bcp(accelerator: accelerate.Accelerator, folder: str, load_kwa
     if custom_in_bcp:
         state.update(_custom_components(accelerator))
     if state:
-        bcp.load(folder, state, strict=options.get("strict", True))
+        bcp.load(folder, state, strict=options.get("strict", True), topology=process_topology(accelerator))
     if optimizers:
         components.restore_param_groups(state["optimizer"], optimizers)
     on_all_ranks(lambda: _load_accelerate_files(accelerator, folder, record["files"], load_kwargs, custom_in_bcp),
@@ -192,3 +192,9 @@ def _check_matches(record: dict[str, Any], accelerator: accelerate.Accelerator, 
                    if record[key] != value]
     if differences:
         raise MismatchError("the accelerator does not match the checkpoint: " + "; ".join(differences), path=folder)
+
+
+def process_topology(accelerator: Any) -> dict[str, int]:
+    """The process's place for the metrics records' heat map: Accelerate's process index, which is
+    its data-parallel index (the record carries the host and local rank itself)."""
+    return {"dp": accelerator.process_index}

@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify = _command(commands, "verify", _verify, "check completeness and every checksum; exit 1 on any problem")
     _source(verify, "PATH")
     verify.add_argument("--json", action="store_true", help="print the report as JSON")
+    _quiet(verify)
 
     export = _command(commands, "export", _export, "write a component as a Hugging Face safetensors folder")
     _source(export, "PATH", generation=False)
@@ -83,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "transformers installed it also tells which weights are tied (written once)")
     export.add_argument("--keep-tied", action="store_true", help="write tied weights under every name")
     export.add_argument("--overwrite", action="store_true", help="replace safetensors files already in OUT")
+    _quiet(export)
     _edit_rules(export, "names as written to the files (without 'COMPONENT/')")
 
     convert = _command(commands, "convert", _convert, "convert between bcp, PyTorch DCP and Hugging Face folders")
@@ -100,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--tie", action="append", default=None, metavar="ALIAS=KEY", type=_tie,
                          help="hf: ALIAS shares KEY's tensor (repeatable); default: the ties config.json implies")
     _edit_rules(convert, "bcp names (model/<key>, ...); to bcp only")
+    _quiet(convert)
 
     edit = _command(commands, "edit", _edit, "write an edited copy: rename/drop entries, cast dtypes")
     edit.add_argument("src", metavar="SRC", help="checkpoint to read (never modified)")
@@ -107,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     edit.add_argument("--role", help="role sub-checkpoint of SRC")
     edit.add_argument("--consolidate", action="store_true", help="store every tensor whole instead of as saved")
     _edit_rules(edit, "full names (model/<fqn>, optimizer/state/<fqn>/<key>, ...)")
+    _quiet(edit)
 
     monitor = _command(commands, "report", _report, "where a save's or load's time went, per rank and phase")
     monitor.add_argument("path", metavar="PATH|LOG", help="checkpoint folder holding bcp-metrics.jsonl, or a log")
@@ -127,6 +131,10 @@ def _command(commands: Any, name: str, run: Callable[[argparse.Namespace], int],
     sub = commands.add_parser(name, help=text, description=text)
     sub.set_defaults(run=run)
     return sub
+
+
+def _quiet(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (none is drawn off a terminal anyway)")
 
 
 def _source(parser: argparse.ArgumentParser, metavar: str, generation: bool = True) -> None:
@@ -152,7 +160,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    report = verify_checkpoint(args.path, role=args.role, generation=args.generation, progress=progress_for())
+    report = verify_checkpoint(args.path, role=args.role, generation=args.generation,
+                               progress=progress_for(quiet=args.quiet))
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -168,7 +177,7 @@ def _export(args: argparse.Namespace) -> int:
     result = export_safetensors(
         args.path, args.out, component=args.component, role=args.role, max_shard_size=args.max_shard_size,
         rules=_rules(args), casts=CastRules(tuple(args.dtype)), config=args.config, keep_tied=args.keep_tied,
-        overwrite=args.overwrite, progress=progress_for())
+        overwrite=args.overwrite, progress=progress_for(quiet=args.quiet))
     print(f"exported {result.tensors} tensors ({human_bytes(result.total_bytes)}) into {len(result.files)} "
           f"file(s) in {result.out}")
     for name, kept in result.tied.items():
@@ -186,18 +195,19 @@ def _convert(args: argparse.Namespace) -> int:
                               "bcp->dcp; for safetensors, use bcp export)")
     if source == "bcp":
         result = convert_bcp_to_dcp(args.src, args.out, role=args.role, allow_pickle=args.trust_pickle,
-                                    progress=progress_for())
+                                    progress=progress_for(quiet=args.quiet))
         print(f"wrote DCP checkpoint {result.out}: {result.tensors} tensors, {result.values} values")
         if result.reduced_to_rank0:
             print(f"  per-rank values kept as rank 0 saved them: {', '.join(result.reduced_to_rank0)}")
     elif source == "dcp":
         result = convert_dcp_to_bcp(args.src, args.out, trust_pickle=args.trust_pickle, rules=_rules(args),
-                                    casts=CastRules(tuple(args.dtype)), progress=progress_for())
+                                    casts=CastRules(tuple(args.dtype)), progress=progress_for(quiet=args.quiet))
         print(f"wrote bcp checkpoint {result.out}: {result.tensors} tensors, {result.values} values")
     else:
         ties = None if args.tie is None else dict(args.tie)
         result = convert_hf_to_bcp(args.src, args.out, component=args.component, rules=_rules(args),
-                                   casts=CastRules(tuple(args.dtype)), ties=ties, progress=progress_for())
+                                   casts=CastRules(tuple(args.dtype)), ties=ties,
+                                   progress=progress_for(quiet=args.quiet))
         print(f"wrote bcp checkpoint {result.out}: {result.tensors} tensors")
         for alias, name in result.tied.items():
             print(f"  tied: {alias} shares the tensor of {name}")
@@ -207,7 +217,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _edit(args: argparse.Namespace) -> int:
     result = edit_checkpoint(args.src, args.out, role=args.role, rules=_rules(args),
                              casts=CastRules(tuple(args.dtype)), consolidate=args.consolidate,
-                             progress=progress_for())
+                             progress=progress_for(quiet=args.quiet))
     print(f"wrote {result.out}: {result.tensors} tensors, {result.values} values, {result.dropped} dropped")
     return 0
 

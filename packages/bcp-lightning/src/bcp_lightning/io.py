@@ -94,7 +94,8 @@ class CheckpointIOMixin:
             if coordinator.rank == 0:
                 # Other ranks touch the path only after rank 0 has planned the save, so no barrier is needed.
                 paths.prepare_for_save(location)
-            handle = bcp.save(location, convert.split(checkpoint), opts, coordinator=coordinator)
+            handle = bcp.save(location, convert.split(checkpoint), opts, coordinator=coordinator,
+                              topology=opts.topology or {"dp": coordinator.rank})
         finally:
             pending.returned(handle)
         self._pending.reap()
@@ -155,4 +156,5 @@ class CheckpointIOMixin:
               weights_only: bool | None) -> bcp.LoadResult:
         opts = self.options.load
         return bcp.load(location, state, opts, strict=strict, coordinator=coordinator,
+                        topology=opts.topology or {"dp": coordinator.rank},
                         allow_pickle=opts.allow_pickle and weights_only is not True)

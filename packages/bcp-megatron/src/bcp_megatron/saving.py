@@ -30,4 +30,16 @@ class BcpSaver:
         # Both components on every rank, so the manifest names Megatron whichever rank commits.
         state = {component: MegatronValues(values.get(component, {})) for component in COMPONENTS}
         return bcp.save(checkpoint_dir, state, self.options, framework=ADAPTER_NAME, async_save=async_save,
-                        coordinator=coord)
+                        coordinator=coord, topology=self.options.topology or parallel_topology())
+
+
+def parallel_topology() -> dict[str, int] | None:
+    """This rank's data/tensor/pipeline/expert-parallel coordinates from Megatron's parallel state, for
+    the metrics records' heat map; None before ``initialize_model_parallel``."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return {"dp": parallel_state.get_data_parallel_rank(), "tp": parallel_state.get_tensor_model_parallel_rank(),
+            "pp": parallel_state.get_pipeline_model_parallel_rank(),
+            "ep": parallel_state.get_expert_model_parallel_rank()}

@@ -62,6 +62,7 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
 def _load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: LoadOptions, coord: Coordinator,
           monitor: Monitor) -> LoadResult:
     stats = monitor.stats
+    monitor.begin(path)
     with stats.phase("metadata"):
         checkpoint = open_checkpoint(path, role=options.role, verify=options.verify, io_threads=options.io_threads,
                                      coordinator=coord)

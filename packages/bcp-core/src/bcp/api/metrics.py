@@ -17,6 +17,7 @@ from typing import Any, Mapping
 from bcp.api.metrics_log import append_record
 from bcp.api.results import PhaseStats
 from bcp.engine.location import Location
+from bcp.storage.retry import RetryStats
 from bcp.version import __version__
 
 logger = logging.getLogger("bcp")
@@ -35,12 +36,16 @@ class RankRecord:
     bytes: int = 0
     received_bytes: int = 0
     error: str | None = None
+    #: Storage requests retried during the operation, by cause (backends that retry, as s3:// does).
+    retries: dict[str, int] = field(default_factory=dict)
 
     @staticmethod
-    def of(rank: int, stats: PhaseStats, topology: Mapping[str, int] | None) -> "RankRecord":
+    def of(rank: int, stats: PhaseStats, topology: Mapping[str, int] | None,
+           retries: Mapping[str, int] | None = None) -> "RankRecord":
         local = os.environ.get("LOCAL_RANK")
         return RankRecord(rank, socket.gethostname(), int(local) if local is not None else None,
-                          dict(topology or {}), list(stats.spans), stats.bytes, stats.received_bytes)
+                          dict(topology or {}), list(stats.spans), stats.bytes, stats.received_bytes,
+                          retries=dict(retries or {}))
 
     def seconds(self) -> dict[str, float]:
         """Seconds per phase (a phase run twice counts twice)."""
@@ -51,24 +56,24 @@ class RankRecord:
 
     def to_wire(self) -> list[Any]:
         return [self.rank, self.host, self.local_rank, self.topology, [list(p) for p in self.phases], self.bytes,
-                self.received_bytes, self.error]
+                self.received_bytes, self.error, self.retries]
 
     @staticmethod
     def from_wire(wire: list[Any]) -> "RankRecord":
-        rank, host, local_rank, topology, phases, nbytes, received, error = wire
+        rank, host, local_rank, topology, phases, nbytes, received, error, retries = wire
         return RankRecord(rank, host, local_rank, dict(topology), [tuple(p) for p in phases], nbytes, received,
-                          error)
+                          error, dict(retries))
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "host": self.host, "local_rank": self.local_rank, "topology": self.topology,
                 "phases": [{"name": n, "start": s, "end": e} for n, s, e in self.phases], "bytes": self.bytes,
-                "received_bytes": self.received_bytes, "error": self.error}
+                "received_bytes": self.received_bytes, "error": self.error, "retries": self.retries}
 
     @staticmethod
     def from_json(data: Mapping[str, Any]) -> "RankRecord":
         return RankRecord(data["rank"], data.get("host", ""), data.get("local_rank"), dict(data.get("topology") or {}),
                           [(p["name"], p["start"], p["end"]) for p in data.get("phases", [])], data.get("bytes", 0),
-                          data.get("received_bytes", 0), data.get("error"))
+                          data.get("received_bytes", 0), data.get("error"), dict(data.get("retries") or {}))
 
 
 @dataclass(slots=True)
@@ -118,8 +123,22 @@ class Monitor:
         self.blocking_seconds: float | None = None
         self.location: Location | None = None
         self.generation: int | None = None
+        self._retries_before: dict[str, int] = {}
         #: The finished record (rank 0 only).
         self.record: OpRecord | None = None
+
+    def begin(self, path: Any) -> None:
+        """Before any I/O on ``path``: a storage object given by the caller may have counted retries
+        of earlier operations (one made from a URL here starts from zero)."""
+        self._retries_before = _retry_counts(path)
+
+    def _retries(self) -> dict[str, int]:
+        now = _retry_counts(self.location.storage) if self.location is not None else {}
+        return {cause: n - self._retries_before.get(cause, 0) for cause, n in now.items()
+                if n > self._retries_before.get(cause, 0)}
+
+    def _own(self) -> RankRecord:
+        return RankRecord.of(self.rank, self.stats, self.topology, self._retries())
 
     def returned(self) -> None:
         """The caller got control back (an async save: staged); the blocking time ends here."""
@@ -127,20 +146,20 @@ class Monitor:
 
     def rank_wire(self) -> list[Any]:
         """This rank's record as it travels to rank 0."""
-        return RankRecord.of(self.rank, self.stats, self.topology).to_wire()
+        return self._own().to_wire()
 
     def finish(self, every_rank: list[list[Any]]) -> None:
         """Rank 0: the operation succeeded; ``every_rank`` are the ranks' wires, rank 0's replaced by
         its complete record (its phases after the exchange included)."""
         ranks = [RankRecord.from_wire(wire) for wire in every_rank]
-        ranks[0] = RankRecord.of(0, self.stats, self.topology)
+        ranks[0] = self._own()
         self._close(ranks)
 
     def fail(self, phase: str | None, error: BaseException) -> None:
         """Rank 0: the operation failed in ``phase``; the other ranks' records did not arrive."""
         if self.record is not None or self.rank != 0:
             return
-        own = RankRecord.of(0, self.stats, self.topology)
+        own = self._own()
         own.error = f"{type(error).__name__}: {error}"
         spans = self.stats.spans  # an error that surfaced in an exchange between phases: after the last one
         where = phase or self.stats.failed_phase or (spans[-1][0] if spans else "start")
@@ -161,3 +180,8 @@ class Monitor:
                            failed_phase, error)
         if self.metrics_log and self.location is not None:
             append_record(self.location, self.metrics_log, record.to_json())
+
+
+def _retry_counts(storage: Any) -> dict[str, int]:
+    stats = getattr(storage, "stats", None)
+    return dict(stats.snapshot()["retries"]) if isinstance(stats, RetryStats) else {}

@@ -91,6 +91,7 @@ class _Collected:
 
 def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options: SaveOptions, coord: Coordinator,
           rt: Runtime, stats: PhaseStats, monitor: Monitor) -> SaveHandle:
+    monitor.begin(path)
     monitor.location = location = resolve(path, options.role, options.keep_generations)
     with stats.phase("collect"):
         collected = Outcome.of(lambda: _collect(state, options, location.display))

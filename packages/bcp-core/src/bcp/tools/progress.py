@@ -1,13 +1,12 @@
-"""Progress reporting for the long-running tools: a one-line bar on a terminal, nothing elsewhere
-(logs and pipes get only the tools' results)."""
+"""Progress reporting for the long-running tools: tqdm's one-line bar (bytes/s, time left) on a
+terminal, nothing elsewhere (logs and pipes get only the tools' results) or with ``--quiet``."""
 
 from __future__ import annotations
 
 import sys
-import time
 from typing import Protocol, TextIO
 
-from bcp.tools.units import human_bytes
+from tqdm import tqdm
 
 
 class Progress(Protocol):
@@ -32,39 +31,29 @@ class NoProgress:
 
 
 class TerminalProgress:
-    """A bar redrawn in place at most ``rate`` times a second and erased by ``finish``."""
+    """tqdm's bar on a terminal: bytes done of the total, bytes per second and the time left, redrawn
+    in place and erased by ``finish``."""
 
-    WIDTH = 30
-
-    def __init__(self, stream: TextIO, rate: float = 10.0) -> None:
+    def __init__(self, stream: TextIO) -> None:
         self.stream = stream
-        self.interval = 1.0 / rate
-        self.label, self.total, self.done, self.drawn_at = "", 0, 0, 0.0
+        self._bar: tqdm | None = None
 
     def start(self, label: str, total: int) -> None:
-        self.label, self.total, self.done, self.drawn_at = label, total, 0, 0.0
-        self._draw()
+        self.finish()
+        self._bar = tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024, file=self.stream,
+                         leave=False, dynamic_ncols=True, mininterval=0.1)
 
     def advance(self, amount: int) -> None:
-        self.done += amount
-        if time.monotonic() - self.drawn_at >= self.interval or self.done >= self.total:
-            self._draw()
+        if self._bar is not None:
+            self._bar.update(amount)
 
     def finish(self) -> None:
-        self.stream.write("\r\033[K")
-        self.stream.flush()
-
-    def _draw(self) -> None:
-        fraction = min(1.0, self.done / self.total) if self.total else 1.0
-        filled = int(fraction * self.WIDTH)
-        bar = "#" * filled + "." * (self.WIDTH - filled)
-        self.stream.write(f"\r\033[K{self.label} [{bar}] {fraction:4.0%} "
-                          f"{human_bytes(self.done)} / {human_bytes(self.total)}")
-        self.stream.flush()
-        self.drawn_at = time.monotonic()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
-def progress_for(stream: TextIO | None = None) -> Progress:
-    """A terminal bar when ``stream`` (default: stderr) is a terminal, else silence."""
+def progress_for(stream: TextIO | None = None, *, quiet: bool = False) -> Progress:
+    """A terminal bar when ``stream`` (default: stderr) is a terminal, else (or when ``quiet``) silence."""
     stream = stream if stream is not None else sys.stderr
-    return TerminalProgress(stream) if stream.isatty() else NoProgress()
+    return TerminalProgress(stream) if stream.isatty() and not quiet else NoProgress()
