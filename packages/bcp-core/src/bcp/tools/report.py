@@ -120,14 +120,18 @@ def phase_seconds(record: OpRecord, phase: str) -> dict[int, float]:
     return out
 
 
+_EXCHANGES = frozenset({"plan", "commit", "metadata"})
+
+
 def summarize_record(record: OpRecord, phase: str | None = None) -> Report:
     """Per-phase statistics, the straggler, and the slowest ranks in ``phase`` (default: the
     straggler's phase)."""
     names = list(dict.fromkeys(name for rank in record.ranks for name, _, _ in rank.phases))
     phases = [_summary(name, phase_seconds(record, name)) for name in names]
-    # The straggler's phase is where the slowest rank is furthest above the median; a phase only the
-    # coordinating rank runs (commit) has no one to compare with.
-    compared = [p for p in phases if p.ranks > 1]
+    # The straggler's phase is where the slowest rank is furthest above the median. A phase only the
+    # coordinating rank runs (commit) has no one to compare with, and a phase that ends in an exchange
+    # (plan, a load's metadata) is mostly waiting: there the longest time is the rank that arrived first.
+    compared = [p for p in phases if p.ranks > 1 and p.phase not in _EXCHANGES] or [p for p in phases if p.ranks > 1]
     straggler = max(compared, key=lambda p: p.max - p.median) if compared else None
     ranked_by = phase or (straggler.phase if straggler is not None else TOTAL)
     seconds = phase_seconds(record, ranked_by)
