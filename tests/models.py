@@ -162,11 +162,9 @@ def assert_bitwise(expected: dict[str, torch.Tensor], actual: dict[str, torch.Te
 
 def read_manifest(path: Any) -> Any:
     """The committed manifest at ``path`` (newest generation), parsed by bcp."""
-    from bcp.engine.location import Location
-    from bcp.storage import LocalStorage
+    from bcp.tools import open_checkpoint
 
-    location = Location(LocalStorage(path), "", str(path))
-    return location.read_manifest(location.latest_committed())
+    return open_checkpoint(path).manifest
 
 
 def shard_files(path: Any, name: str) -> list[str]:

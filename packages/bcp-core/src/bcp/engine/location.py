@@ -153,10 +153,6 @@ class Location:
                                          path=where) from None
         return data, table
 
-    def read_manifest(self, generation: int) -> Manifest:
-        data, table = self.read_manifest_files(generation)
-        return Manifest.decode(data, table, path=f"{self.display}/{generation_dir(generation)}")
-
     def apply_retention(self, generation: int) -> None:
         """Retention once ``generation`` is committed: the newest ``keep_generations`` committed
         generations up to it stay, and so does every newer generation (another writer's save in

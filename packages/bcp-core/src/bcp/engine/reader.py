@@ -34,6 +34,7 @@ class ShardReader:
         self.display = f"{location.display}/gen-{generation:08d}"
         self.bytes_read = 0
         self._lock = threading.Lock()
+        self._sizes: dict[int, int] = {}
         self._planner = SegmentPlanner(manifest.files, manifest.checksum_chunk, verify, self.display)
         self._verifier = ChunkVerifier(manifest.files, manifest.checksum_chunk, self.display)
 
@@ -143,13 +144,7 @@ class ShardReader:
     def read_object(self, entry: ObjectEntry, rank: int, *, allow_pickle: bool) -> Any:
         where, tree_nbytes = entry.records[entry.ranks[rank]]
         file = self.manifest.files[where.file]
-        try:  # before allocating what the record claims, the file must hold it
-            stored = self.location.storage.size(self.location.name(self.generation, file))
-        except FileNotFoundError:
-            raise CorruptCheckpointError(self._missing(file), path=self.display, key=entry.name) from None
-        except OSError as exc:
-            raise CorruptCheckpointError(f"data file {file} cannot be read: {exc}", path=self.display,
-                                         key=entry.name) from None
+        stored = self._size_of(where.file, entry.name)  # before allocating what the record claims
         if where.offset + where.nbytes > stored:
             raise CorruptCheckpointError(f"data file {file} is truncated: the value's record ends at byte "
                                          f"{where.offset + where.nbytes}, the file holds {stored}",
@@ -158,6 +153,25 @@ class ShardReader:
         self.read_range(where, 0, memoryview(buffer), entry.name)
         return decode_value(memoryview(buffer), tree_nbytes, key=entry.name, path=self.display,
                             allow_pickle=allow_pickle)
+
+    def _size_of(self, file_index: int, key: str) -> int:
+        """A data file's size, asked of storage once per file (values share a few files; on an object
+        store each ask is a request)."""
+        with self._lock:
+            known = self._sizes.get(file_index)
+        if known is not None:
+            return known
+        file = self.manifest.files[file_index]
+        try:
+            size = self.location.storage.size(self.location.name(self.generation, file))
+        except FileNotFoundError:
+            raise CorruptCheckpointError(self._missing(file), path=self.display, key=key) from None
+        except OSError as exc:
+            raise CorruptCheckpointError(f"data file {file} cannot be read: {exc}", path=self.display,
+                                         key=key) from None
+        with self._lock:
+            self._sizes[file_index] = size
+        return size
 
     def _missing(self, file: str) -> str:
         """Why a data file is not there: its whole generation was removed (a newer save's retention),

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from bcp.layout.dtypes import dtype_name
-from bcp.layout.piece import Piece, box_columns
+from bcp.layout.piece import NamedBox, box_columns
 
 #: A declared tensor: name, dtype name (``layout.dtypes``) and global shape (a tuple, or the list
 #: it unpacks as: at thousands of ranks the coordinator does not convert every declaration).
@@ -35,7 +35,7 @@ class LocalPlan:
     replica_crcs: np.ndarray | None = None
 
     @staticmethod
-    def of(tensors: list[tuple[str, Any, tuple[int, ...]]], pieces: list[Piece],
+    def of(tensors: list[tuple[str, Any, tuple[int, ...]]], pieces: Sequence[NamedBox],
            replica_crcs: list[int] | None = None) -> "LocalPlan":
         """The plan of ``pieces`` of the declared ``tensors`` (name, torch dtype, global shape)."""
         index = {name: i for i, (name, _, _) in enumerate(tensors)}

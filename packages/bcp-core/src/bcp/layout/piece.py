@@ -4,7 +4,9 @@ so saving reads from it and loading writes into it without another copy)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -27,7 +29,14 @@ class Piece:
         return self.box.numel * self.tensor.element_size()
 
 
-def box_columns(pieces: list[Piece], ndim: int) -> tuple[np.ndarray, np.ndarray]:
+class NamedBox(Protocol):
+    """Anything that names a box of a tensor: a ``Piece``, or a piece that is produced later."""
+
+    name: str
+    box: Box
+
+
+def box_columns(pieces: Sequence[NamedBox], ndim: int) -> tuple[np.ndarray, np.ndarray]:
     """The pieces' box offsets and lengths as ``[len(pieces), ndim]`` int64 arrays, padded as the
     shard table pads boxes (offset 0, length 1) and cut to ``ndim`` columns."""
     zeros, ones = (0,) * ndim, (1,) * ndim

@@ -9,7 +9,6 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from bcp.api.location import resolve
@@ -119,24 +118,13 @@ def _checked(piece: PieceSource) -> Callable[[], torch.Tensor]:
 
 def _local_plan(pieces: Sequence[PieceSource]) -> LocalPlan:
     """The pieces as the planner's columns (one writer, every tensor declared once)."""
-    declared: dict[str, int] = {}
-    tensors: list[tuple[str, str, tuple[int, ...]]] = []
+    declared: dict[str, tuple[str, torch.dtype, tuple[int, ...]]] = {}
     for piece in pieces:
-        known = declared.get(piece.name)
-        if known is None:
-            declared[piece.name] = len(tensors)
-            tensors.append((piece.name, dtype_name(piece.dtype), tuple(piece.shape)))
-        elif tensors[known][1:] != (dtype_name(piece.dtype), tuple(piece.shape)):
-            _, dtype, shape = tensors[known]
-            raise CheckpointError(f"pieces disagree on dtype/shape: {dtype} {list(shape)} and "
-                                  f"{dtype_name(piece.dtype)} {list(piece.shape)}", key=piece.name)
-    ndim = max([len(p.shape) for p in pieces], default=0)
-    offsets = np.zeros((len(pieces), ndim), dtype=np.int64)
-    lengths = np.ones((len(pieces), ndim), dtype=np.int64)
-    for row, piece in enumerate(pieces):
-        offsets[row, :piece.box.ndim] = piece.box.offsets
-        lengths[row, :piece.box.ndim] = piece.box.lengths
-    return LocalPlan(tensors, ndim, np.array([declared[p.name] for p in pieces], dtype=np.int64), offsets, lengths)
+        name, dtype, shape = declared.setdefault(piece.name, (piece.name, piece.dtype, tuple(piece.shape)))
+        if (dtype, shape) != (piece.dtype, tuple(piece.shape)):
+            raise CheckpointError(f"pieces disagree on dtype/shape: {dtype_name(dtype)} {list(shape)} and "
+                                  f"{dtype_name(piece.dtype)} {list(piece.shape)}", key=name)
+    return LocalPlan.of(list(declared.values()), pieces)
 
 
 def _add_aliases(tensors: dict[str, TensorEntry], aliases: Mapping[str, str]) -> None:
