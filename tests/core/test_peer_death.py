@@ -99,6 +99,12 @@ def rank_main(rank: int, port: int, path: str, victim: int, death: int | str, as
         bcp.TorchCoordinator().sibling()
     store.set(f"ready/{rank}", b"")
     store.wait(["ready/0", "ready/1"])  # start together: the short timeout then measures the death only
+    # The survivor says it is past that wait before the victim may die: a victim hosting the store
+    # (rank 0) would otherwise take it down while the survivor's wait is still being answered.
+    if rank == victim:
+        store.wait([f"past/{1 - victim}"])
+    else:
+        store.set(f"past/{rank}", b"")
     if rank == victim:
         if death == "before":
             die()
