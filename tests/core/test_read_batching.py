@@ -198,9 +198,38 @@ class ThreadRecordingStorage(LocalStorage):
         super().read_into_many(name, offset, dests)
 
 
-def test_each_reader_thread_streams_its_own_file_forward(tmp_path, monkeypatch):
-    """With as many threads as files, each thread starts on a file of its own and reads it in file
-    order (as a raw parallel read of the files would), and every byte is still loaded bitwise."""
+def test_lanes_start_each_worker_on_a_file_of_its_own_then_help_the_fullest():
+    """The schedule itself (no threads, so no scheduling luck): worker ``i`` takes the ``i``-th
+    file's batches in file order; once its lane is empty it helps the lane with most bytes left."""
+    from bcp.engine.read_lanes import Lanes
+    from bcp.engine.read_segments import Segment
+    from bcp.layout.shard_table import ByteRange
+
+    def batch(file: int, offset: int, nbytes: int) -> list[Segment]:
+        return [Segment(ByteRange(file, offset, nbytes, ()), 0, nbytes, None, None, None)]
+
+    sizes = {0: [10, 10], 1: [10], 2: [50, 50, 50], 3: [20, 20]}
+    batches = [batch(f, i * 100, n) for f, ns in sizes.items() for i, n in enumerate(ns)]
+    lanes = Lanes(batches)
+
+    def taken(worker: int) -> tuple[int, int, int]:
+        """(file, offset) of the batch ``worker`` takes, and the lane it came from."""
+        batch_taken, lane = lanes.take(worker)
+        return batch_taken[0].where.file, batch_taken[0].where.offset, lane
+
+    assert [taken(w) for w in range(4)] == [(0, 0, 0), (1, 0, 1), (2, 0, 2), (3, 0, 3)]
+    assert taken(1) == (2, 100, 2)  # lane 1 is empty: the fullest lane is file 2's
+    assert taken(0) == (0, 100, 0)
+    assert taken(0) == (2, 200, 2)  # file 2 has 50 bytes left, file 3 only 20
+    assert taken(0) == (3, 100, 3)
+    assert lanes.take(0) is None and lanes.take(3) is None
+
+
+def test_each_reader_thread_streams_its_files_forward(tmp_path, monkeypatch):
+    """With as many threads as files, every thread reads each file it touches in file order (as a
+    raw parallel read of the files would), and every byte is still loaded bitwise. Which thread
+    starts on which file is the schedule's test above: here a late-starting thread may find its
+    lane already taken over."""
     from bcp.engine import read_segments
 
     monkeypatch.setattr(read_segments, "READ_PART_BYTES", 4 << 20)  # several parts per file
@@ -212,8 +241,7 @@ def test_each_reader_thread_streams_its_own_file_forward(tmp_path, monkeypatch):
     bcp.load(storage, {"model": dest}, io_threads=4)
     assert all(torch.equal(dest[n], state[n]) for n in state)
     assert len(read_manifest(tmp_path).files) == 4
-    firsts = [reads[0][0] for reads in storage.reads.values()]
-    assert len(firsts) == 4 and len(set(firsts)) == 4
+    assert len({name for reads in storage.reads.values() for name, _ in reads}) == 4
     for reads in storage.reads.values():
         by_file: dict[str, list[int]] = {}
         for name, offset in reads:
