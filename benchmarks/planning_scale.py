@@ -10,9 +10,12 @@ as in ``bcp.save``; the coordinator's plan phase on a cache hit (its structure c
 agreement on reuse, every rank's flag gathered and answered); and the manifest's parse at load time. The same plans are then given to DCP's planner for comparison
 (``--dcp``), as DCP would receive them; and a manifest of a million shards is loaded. With
 ``--grpc-nodes N``, the gRPC coordinator's planning exchange is measured on N real nodes and
-extrapolated to 512, 2,048 and 8,960 ranks (``grpc_tree_costs.py`` says exactly how).
+extrapolated to 512, 2,048 and 8,960 ranks (``grpc_tree_costs.py`` says exactly how); with
+``--flat-ranks P``, the torch.distributed coordinator's and DCP's flat exchanges likewise, from P
+real gloo ranks (``flat_collective_costs.py``). ``--scaling-only`` runs those alone.
 
-    .venv/bin/python benchmarks/planning_scale.py [--dp 70] [--dcp] [--grpc-nodes 64] [--json out.json]
+    .venv/bin/python benchmarks/planning_scale.py [--dp 70] [--dcp] [--grpc-nodes 64] [--flat-ranks 8]
+        [--scaling-only] [--json out.json]
 """
 
 from __future__ import annotations
@@ -94,15 +97,13 @@ def local_plan(tp: int, tps: int, pp: int, pps: int, dp: int, dps: int) -> Local
     return LocalPlan(declared, 2, tensor, offsets, lengths)
 
 
-def dcp_planning(plans: list[LocalPlan]) -> dict:
-    """DCP's coordinator on the same pieces: one WriteItem per piece, as DCP's local plans hold."""
+def dcp_save_plans(plans: list[LocalPlan]) -> list:
+    """DCP's local plans for the same pieces: one WriteItem per piece, as DCP's local plans hold."""
     import torch
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
     dtypes = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-    t0 = time.perf_counter()
     dcp_plans = []
     for plan in plans:
         declared = plan.tensors
@@ -116,11 +117,35 @@ def dcp_planning(plans: list[LocalPlan]) -> dict:
                 tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(o[:ndim]), torch.Size(n[:ndim])),
                                             properties=TensorProperties(dtype=dtypes[dtype]), size=torch.Size(shape))))
         dcp_plans.append(SavePlan(items, planner_data={name: (name,) for name, _, _ in declared}))
+    return dcp_plans
+
+
+def dcp_planning(plans: list[LocalPlan]) -> dict:
+    """DCP's coordinator on the same pieces."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    t0 = time.perf_counter()
+    dcp_plans = dcp_save_plans(plans)
     built = time.perf_counter() - t0
     t0 = time.perf_counter()
     DefaultSavePlanner().create_global_plan(dcp_plans)
     return {"dcp_items": sum(len(p.items) for p in dcp_plans), "dcp_build_items_s": round(built, 1),
             "dcp_global_plan_s": round(time.perf_counter() - t0, 2)}
+
+
+def dcp_exchange(plans: list[LocalPlan]) -> tuple[list[int], list[int], float]:
+    """DCP's planning exchange on the same pieces: each rank's pickled local plan (up) and pickled
+    share of the global plan (down), as ``gather_object``/``scatter_object_list`` carry them, and
+    the root's own work on them (unpickle, ``create_global_plan``, pickle the shares), measured."""
+    import pickle
+
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    wire = [pickle.dumps(plan) for plan in dcp_save_plans(plans)]
+    t0 = time.perf_counter()
+    shares, _ = DefaultSavePlanner().create_global_plan([pickle.loads(w) for w in wire])
+    replies = [pickle.dumps(share) for share in shares]
+    return [len(w) for w in wire], [len(r) for r in replies], time.perf_counter() - t0
 
 
 def parse_at(count: int) -> dict:
@@ -202,6 +227,30 @@ def cached_replan(plan: LocalPlan, world: int) -> float:
     return elapsed
 
 
+SCALES = (512, 2048, 8960)
+
+
+def rank_plans(tp: int, pp: int, world: int) -> list[LocalPlan]:
+    dp = world // (tp * pp)
+    return [local_plan(r % tp, tp, (r // tp) % pp, pp, r // (tp * pp), dp) for r in range(world)]
+
+
+def bcp_exchange(plans: list[LocalPlan]) -> tuple[list[int], list[int], float]:
+    """bcp's planning exchange: each rank's packed local plan (up) and packed share of the global
+    plan (down), and the root's own work on them (unpack and global plan), measured."""
+    wire = [Outcome(plan.to_wire()).packed(r) for r, plan in enumerate(plans)]
+    with paused_gc():
+        t0 = time.perf_counter()
+        unpacked = [LocalPlan.from_wire(unpack(w)[1]) for w in wire]
+        replies = [share.to_wire() for share in global_plan(PlanColumns(unpacked))]
+        planned = time.perf_counter() - t0
+    return [len(w) for w in wire], [len(pack([True, reply])) for reply in replies], planned
+
+
+def with_root(row: dict, planned: float) -> dict:
+    return row | {"root_plan_s": round(planned, 2), "total_s": round(row["gather_s"] + planned + row["scatter_s"], 2)}
+
+
 def grpc_planning(tp: int, pp: int, nodes: int) -> dict:
     """The gRPC coordinator's first planning at 512, 2,048 and 8,960 ranks: the tree's exchange
     (modelled from costs measured on ``nodes`` real nodes) around the root's own planning (measured)."""
@@ -209,21 +258,29 @@ def grpc_planning(tp: int, pp: int, nodes: int) -> dict:
 
     costs = measure(nodes)
     rows = []
-    for world in (512, 2048, 8960):
-        dp = world // (tp * pp)
-        wire = [Outcome(local_plan(r % tp, tp, (r // tp) % pp, pp, r // (tp * pp), dp).to_wire()).packed(r)
-                for r in range(world)]
-        with paused_gc():
-            t0 = time.perf_counter()
-            plans = [LocalPlan.from_wire(unpack(w)[1]) for w in wire]
-            replies = [share.to_wire() for share in global_plan(PlanColumns(plans))]
-            planned = time.perf_counter() - t0
-        down = [len(pack([True, reply])) for reply in replies]
-        row = at_scale(world, [len(w) for w in wire], down, costs["_a"], costs["_b"])
-        row["root_plan_s"] = round(planned, 2)
-        row["total_s"] = round(row["gather_s"] + planned + row["scatter_s"], 2)
-        rows.append(row)
+    for world in SCALES:
+        up, down, planned = bcp_exchange(rank_plans(tp, pp, world))
+        rows.append(with_root(at_scale(world, up, down, costs["_a"], costs["_b"]), planned))
     return {k: v for k, v in costs.items() if not k.startswith("_")} | {"grpc_at_scale": rows}
+
+
+def flat_planning(tp: int, pp: int, processes: int) -> dict:
+    """The torch.distributed coordinator's and DCP's first planning at 512, 2,048 and 8,960 ranks:
+    flat collectives (modelled from costs measured on ``processes`` real gloo ranks) around each
+    root's own planning (measured)."""
+    from flat_collective_costs import at_scale, measure
+
+    costs = measure(processes)
+    torch_rows, dcp_rows = [], []
+    for world in SCALES:
+        plans = rank_plans(tp, pp, world)
+        up, down, planned = bcp_exchange(plans)
+        torch_rows.append(with_root(at_scale(world, up, down, costs["_costs"]), planned))
+        up, down, planned = dcp_exchange(plans)
+        dcp_rows.append(with_root(at_scale(world, up, down, costs["_costs"]), planned))
+        print(json.dumps({"torch": torch_rows[-1], "dcp": dcp_rows[-1]}), flush=True)
+    return ({k: v for k, v in costs.items() if not k.startswith("_")}
+            | {"torch_at_scale": torch_rows, "dcp_at_scale": dcp_rows})
 
 
 def main() -> None:
@@ -235,9 +292,25 @@ def main() -> None:
     parser.add_argument("--dcp", action="store_true", help="also time DCP's planner on the same pieces")
     parser.add_argument("--grpc-nodes", type=int, default=0,
                         help="also model the gRPC coordinator's exchange from this many real nodes")
+    parser.add_argument("--flat-ranks", type=int, default=0,
+                        help="also model the torch.distributed coordinator's and DCP's exchanges from this "
+                             "many real gloo ranks")
+    parser.add_argument("--scaling-only", action="store_true",
+                        help="only the modelled exchanges at 512, 2,048 and 8,960 ranks")
     parser.add_argument("--manifest-shards", type=int, default=1_000_000,
                         help="also time loading a manifest of this many shards")
     args = parser.parse_args()
+    if args.scaling_only:
+        figures = {}
+        if args.grpc_nodes:
+            figures.update(grpc_planning(args.tp, args.pp, args.grpc_nodes))
+        if args.flat_ranks:
+            figures.update(flat_planning(args.tp, args.pp, args.flat_ranks))
+        print(json.dumps(figures, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(figures, f)
+        return
     world = args.tp * args.pp * args.dp
 
     t0 = time.perf_counter()
@@ -282,6 +355,8 @@ def main() -> None:
         figures["dcp_over_bcp"] = round(figures["dcp_global_plan_s"] / figures["coordinator_total_s"], 1)
     if args.grpc_nodes:
         figures.update(grpc_planning(args.tp, args.pp, args.grpc_nodes))
+    if args.flat_ranks:
+        figures.update(flat_planning(args.tp, args.pp, args.flat_ranks))
     figures.update(parse_at(args.manifest_shards))
     print(json.dumps(figures, indent=1))
     if args.json:

@@ -20,7 +20,7 @@ from bcp.api.metrics import Monitor
 from bcp.api.options import SaveOptions
 from bcp.api.results import PhaseStats, SaveHandle
 from bcp.api.runtime import Runtime, runtime
-from bcp.api.writing import write_generation
+from bcp.api.writing import commit_generation, write_generation, write_share
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
 from bcp.engine.bytes_of import byte_view, host_contiguous
@@ -116,13 +116,16 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
             raise
     monitor.returned()  # the caller gets control back: the blocking time ends here
 
-    def job() -> None:
+    def write() -> Outcome:
         try:
-            write_generation(background_coord, writer, pieces, values, manifest_of, stats, monitor=monitor)
+            return write_share(background_coord.rank, writer, pieces, values, stats, monitor=monitor)
         finally:
-            rt.buffers.release(buffer)
+            rt.buffers.release(buffer)  # durable: the next save may stage into it, whatever the barrier does
 
-    return SaveHandle(location.display, generation, stats, rt.background.submit(job), monitor)
+    def commit(report: Outcome) -> None:
+        commit_generation(background_coord, writer, report, manifest_of, stats, monitor)
+
+    return SaveHandle(location.display, generation, stats, rt.background.submit(write, commit), monitor)
 
 
 def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> _Collected:

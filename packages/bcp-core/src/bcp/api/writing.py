@@ -25,16 +25,34 @@ def write_generation(coord: Coordinator, writer: GenerationWriter, pieces: Seque
     manifest with ``manifest_of(every rank's report)`` and commits it. A failure on any rank is
     raised on every rank, and what was written of the (claimed, uncommitted) generation is removed.
     With a ``monitor``, each rank's metrics record travels with its report and the coordinating rank
-    finishes the operation's record."""
+    finishes the operation's record. An asynchronous save runs the two halves, :func:`write_share`
+    and :func:`commit_generation`, on separate threads."""
+    commit_generation(coord, writer, write_share(coord.rank, writer, pieces, values, stats, on_written, monitor),
+                      manifest_of, stats, monitor)
+
+
+def write_share(rank: int, writer: GenerationWriter, pieces: Sequence[PieceWrite], values: Sequence[ValueWrite],
+                stats: PhaseStats, on_written: Callable[[int], None] | None = None,
+                monitor: Monitor | None = None) -> Outcome:
+    """Not collective. Write this rank's share; once it returns the data is durable (and staged
+    buffers are free). Returns this rank's report for :func:`commit_generation`: where everything
+    lies, or the error that stopped the writes (reported to every rank there, not raised here)."""
+    with stats.phase("write"):
+        written = Outcome.of(lambda: writer.write_rank(rank, pieces, values, on_written))
+    stats.bytes = written.value.nbytes if written.error is None else 0
+    return Outcome([written.value.to_wire(), monitor.rank_wire() if monitor else None]
+                   if written.error is None else None, written.error)
+
+
+def commit_generation(coord: Coordinator, writer: GenerationWriter, report: Outcome,
+                      manifest_of: Callable[[list[RankWrites]], Manifest], stats: PhaseStats,
+                      monitor: Monitor | None = None) -> None:
+    """Collective: the integrity barrier. Every rank's ``report`` travels to the coordinating rank,
+    which commits once it holds all of them and none failed; each rank returns once it has the
+    verdict, and raises where the generation was not committed (the previous one stays the latest)."""
     committing = False
     records: list[Any] = []
     try:
-        with stats.phase("write"):
-            written = Outcome.of(lambda: writer.write_rank(coord.rank, pieces, values, on_written))
-        stats.bytes = written.value.nbytes if written.error is None else 0
-        report = Outcome([written.value.to_wire(), monitor.rank_wire() if monitor else None]
-                         if written.error is None else None, written.error)
-
         def commit(every_rank: list[Any]) -> list[None]:
             nonlocal committing
             committing = True

@@ -1,5 +1,7 @@
-"""The background lane of asynchronous saves: one worker thread runs the write and commit of each
-save in call order, so commits happen in the order ``save`` was called."""
+"""The background lane of asynchronous saves, in two stages with a thread each: a save's writes,
+then its commit barrier (every rank's report to the coordinating rank, the commit, the verdict).
+Each stage runs one save at a time in call order, so commits happen in the order ``save`` was
+called, while the next save's writes overlap the previous save's barrier instead of waiting for it."""
 
 from __future__ import annotations
 
@@ -9,20 +11,37 @@ from typing import Any, Callable
 
 
 class BackgroundLane:
-    """Jobs run one at a time, in submission order, on a thread started with the first job."""
+    """Two-stage jobs; each stage's thread is started with the first job."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
+        self._stages: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
         self._pending: list[Future] = []
 
-    def submit(self, job: Callable[[], Any]) -> Future:
+    def submit(self, first: Callable[[], Any], then: Callable[[Any], Any]) -> Future:
+        """Runs ``first()`` on the first stage's thread, then ``then(its result)`` on the second's;
+        the future holds ``then``'s result, or the exception of whichever stage raised."""
+        done: Future = Future()
+
+        def run_first() -> None:
+            try:
+                result = first()
+            except BaseException as exc:  # the save's handle raises it from wait()
+                done.set_exception(exc)
+                return
+            try:
+                second.submit(_settle, done, lambda: then(result))
+            except BaseException as exc:  # the lane was closed meanwhile: never leave the handle waiting
+                done.set_exception(exc)
+
         with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcp-async-save")
-            future = self._executor.submit(job)
-            self._pending[:] = [f for f in self._pending if not f.done()] + [future]
-            return future
+            if self._stages is None:
+                self._stages = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcp-async-write"),
+                                ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcp-async-commit"))
+            head, second = self._stages
+            head.submit(run_first)
+            self._pending[:] = [f for f in self._pending if not f.done()] + [done]
+        return done
 
     def wait_pending(self) -> None:
         """Block until every job submitted so far has finished. Errors are not raised here: each
@@ -33,9 +52,16 @@ class BackgroundLane:
             future.exception()
 
     def close(self) -> None:
-        """Wait for the pending jobs, then stop the thread."""
+        """Wait for the pending jobs, then stop the threads."""
         self.wait_pending()
         with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True)
+            stages, self._stages = self._stages, None
+        for stage in stages or ():
+            stage.shutdown(wait=True)
+
+
+def _settle(done: Future, work: Callable[[], Any]) -> None:
+    try:
+        done.set_result(work())
+    except BaseException as exc:  # the save's handle raises it from wait()
+        done.set_exception(exc)

@@ -18,8 +18,9 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -67,7 +68,8 @@ class GrpcCoordinator:
                               fan_out=fan_out, ranks_per_machine=ranks_per_machine, host=meeting.bind_host,
                               tls=tls, max_message_bytes=max_message_bytes)
         scoped = meeting.scoped(self.namespace)
-        self._metadata = secret_metadata(share_secret(scoped, self.rank, timeout))
+        with _setting_up(channel):  # the waits for the other ranks
+            self._metadata = secret_metadata(share_secret(scoped, self.rank, timeout))
         self._exchanges = itertools.count()
         self._failures: list[tree_pb2.Failure] = []
         self._sibling: GrpcCoordinator | None = None
@@ -84,7 +86,8 @@ class GrpcCoordinator:
                                       else (None, ""))
         publish(scoped, self.rank, Peer(socket.gethostname(), self.address))
         parent = self.tree.parents[self.rank]
-        self._peers = look_up(scoped, self._inbox.children + ([parent] if parent >= 0 else []), timeout)
+        with _setting_up(channel):
+            self._peers = look_up(scoped, self._inbox.children + ([parent] if parent >= 0 else []), timeout)
         self._channel = self._stub = None
         if parent >= 0:
             self._channel = _open_channel(self._peers[parent].address, options, tls)
@@ -259,6 +262,16 @@ class GrpcCoordinator:
             raise DistributedError(f"the gRPC coordinator cannot listen on {where}: {exc}") from exc
         server.start()
         return server, _address(host, port)
+
+
+@contextmanager
+def _setting_up(channel: str) -> Iterator[None]:
+    """Names the phase in a failure to meet the other ranks, as the torch.distributed coordinator does."""
+    try:
+        yield
+    except DistributedError as exc:
+        raise DistributedError(f"setting up checkpoint coordination (channel {channel!r}) over gRPC failed: "
+                               f"{exc}") from exc
 
 
 def _open_channel(address: str, options: list[tuple[str, Any]], tls: TlsConfig | None) -> grpc.Channel:

@@ -59,7 +59,7 @@ def share_secret(store: Any, rank: int, timeout: float) -> str:
     """Rank 0's fresh secret, on every rank."""
     if rank == 0:
         store.set("secret", new_secret())
-    return _get(store, "secret", timeout).decode()
+    return _get(store, "secret", timeout, "rank 0's secret").decode()
 
 
 def publish(store: Any, rank: int, peer: Peer) -> None:
@@ -67,16 +67,16 @@ def publish(store: Any, rank: int, peer: Peer) -> None:
 
 
 def look_up(store: Any, ranks: list[int], timeout: float) -> dict[int, Peer]:
-    return {r: Peer(*msgpack.unpackb(_get(store, f"peer/{r}", timeout))) for r in ranks}
+    return {r: Peer(*msgpack.unpackb(_get(store, f"peer/{r}", timeout, f"rank {r}'s address"))) for r in ranks}
 
 
-def _get(store: Any, key: str, timeout: float) -> bytes:
+def _get(store: Any, key: str, timeout: float, what: str) -> bytes:
     try:
         store.wait([key], datetime.timedelta(seconds=timeout))
         return store.get(key)
     except Exception as exc:  # torch raises DistStoreError/RuntimeError on timeouts and lost stores
-        raise DistributedError(f"gRPC coordinator rendezvous: {key!r} did not appear in the store "
-                               f"within {timeout:.0f}s (a rank did not start its coordinator): {exc}") from exc
+        raise DistributedError(f"{what} did not appear in the store within {timeout:g}s (it died, hung or did "
+                               f"not start its coordinator; or the store's host is gone): {exc}") from exc
 
 
 def _place(rank: int | None, world_size: int | None) -> tuple[int, int]:
