@@ -22,7 +22,9 @@ from models import assert_bitwise, full, rank, read_manifest
 
 BLOCKS = 4
 WIDTH = 6
-HIDDEN = 10  # TP2 cuts it 5 + 5, FSDP2 over DP2 then cuts a 5-row shard unevenly (3 + 2)
+# TP2 cuts it 5 + 5, FSDP2 over DP2 then cuts a 5-row shard unevenly (3 + 2); TP4 would cut it
+# unevenly, which DTensor's rowwise matmul does not support (not a checkpointing limit)
+HIDDEN = 10
 BATCH = 8
 SAVED_AFTER = 2
 STEPS = 4
@@ -173,17 +175,12 @@ def merged(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for snap in per_rank:
         for name, value in snap.items():
-            if name in out:
-                assert _same(out[name], value), f"replicas disagree on {name}"
+            if name in out and isinstance(value, torch.Tensor):
+                assert_bitwise({name: out[name]}, {name: value})
+            elif name in out:
+                assert out[name] == value, f"replicas disagree on {name}"
             out[name] = value
     return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8),
-                                                                          b.view(-1).view(torch.uint8))
-    return a == b
 
 
 def assert_same_state(expected: dict[str, Any], actual: dict[str, Any]) -> None:
@@ -229,22 +226,25 @@ TP2_PP2 = Layout(tp=2, pp=2, dp=1)
 PP2_DP2 = Layout(tp=1, pp=2, dp=2)
 TP2_DP2 = Layout(tp=2, pp=1, dp=2)
 PP2_DDP2 = Layout(tp=1, pp=2, dp=2, ddp=True)
+PP4 = Layout(tp=1, pp=4, dp=1)  # one block per stage
+DP4 = Layout(tp=1, pp=1, dp=4)  # FSDP2 on 4: fc2.bias (6) cut 2 + 2 + 2 + 0
 ONE = Layout(tp=1, pp=1, dp=1)
 TP2_PP2_DP2 = Layout(tp=2, pp=2, dp=2)
 
 #: (saved as, loaded as): every pair here is listed in docs/resharding.md
 PAIRS = [
-    (TP2_PP2, [TP2_PP2, PP2_DP2, TP2_DP2, ONE]),
+    (TP2_PP2, [TP2_PP2, PP2_DP2, TP2_DP2, PP4, ONE, TP2_PP2_DP2]),
     (PP2_DP2, [PP2_DP2, TP2_PP2, TP2_DP2, PP2_DDP2, ONE]),
     (TP2_DP2, [TP2_DP2, TP2_PP2, PP2_DP2, ONE]),
     (PP2_DDP2, [PP2_DDP2, TP2_PP2]),
     (ONE, [ONE, TP2_PP2, TP2_DP2]),
+    (PP4, [PP4, TP2_DP2]),
+    (DP4, [DP4, TP2_PP2]),
     (TP2_PP2_DP2, [TP2_PP2_DP2, TP2_PP2, PP2_DP2, TP2_DP2, ONE]),
-    (TP2_PP2, [TP2_PP2_DP2]),
 ]
 
 
-@pytest.mark.parametrize("source, targets", PAIRS, ids=[f"{s}->{len(t)}" for s, t in PAIRS])
+@pytest.mark.parametrize("source, targets", PAIRS, ids=[str(s) for s, _ in PAIRS])
 def test_3d_layouts_reshard_bitwise_and_resume(ranks, tmp_path, source, targets):
     path = str(tmp_path)
     saved = on(ranks, source, train_save_continue, path)
