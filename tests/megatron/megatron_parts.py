@@ -260,3 +260,24 @@ def save_torch_dist(sharded_state_dict: Any, path: str) -> None:
     finally:
         config["daemon"] = daemon
         filesystem_async._results_queue = None
+
+
+def sharded_state(model: torch.nn.Module, optimizer: Any, metadata: dict, is_loading: bool = False) -> dict:
+    """The model's and the DistributedOptimizer's sharded state dicts, the optimizer's in the
+    format ``metadata`` names (``distrib_optim_sharding_type``)."""
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
+
+
+def load_model_and_optimizer(model: torch.nn.Module, optimizer: Any, path: str, metadata: dict) -> None:
+    """``dist_checkpointing.load`` of model and optimizer from ``path`` (the backend named in its
+    metadata.json), with the stand-ins torch's Adam needs before and after (see each)."""
+    from megatron.core import dist_checkpointing
+
+    prime_for_load(optimizer)
+    loaded = dist_checkpointing.load(sharded_state(model, optimizer, metadata, is_loading=True), path)
+    model.load_state_dict(loaded["model"])
+    with torch.no_grad():  # fp32 parameters are their own main copies: views that require grad
+        optimizer.load_state_dict(loaded["optimizer"])
+    restore_steps(optimizer)

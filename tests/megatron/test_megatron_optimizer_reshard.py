@@ -25,7 +25,8 @@ import torch
 
 import bcp_megatron  # noqa: F401  (registers the 'bcp' backend)
 from megatron_parts import (assemble, assert_bitwise, cpu_megatron_optimizer, distributed_optimizer, gpt,
-                            main_pieces, parallel, prime_for_load, restore_steps, save_torch_dist, scramble)
+                            load_model_and_optimizer, main_pieces, parallel, save_torch_dist, scramble,
+                            sharded_state)
 from megatron_training import train_step
 
 # Megatron-LM's choices for a checkpoint that reshards across TP, PP and EP (no per-optimizer prefix).
@@ -42,10 +43,8 @@ class Layout(NamedTuple):
     optimizer: bool = True  # whether the move into this layout loads the optimizer too
 
 
-def sharded(model, optimizer, is_loading: bool = False) -> dict:
-    model_sd = model.sharded_state_dict()
-    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                                         metadata=FULLY_RESHARDABLE)}
+def sharded(model, optimizer) -> dict:
+    return sharded_state(model, optimizer, FULLY_RESHARDABLE)
 
 
 def adam_steps(optimizer) -> list[float]:
@@ -79,12 +78,7 @@ def load(layout: Layout, path: str) -> tuple:
     if not layout.optimizer:
         model.load_state_dict(dist_checkpointing.load({"model": model.sharded_state_dict()}, path)["model"])
         return model, ddp, optimizer
-    prime_for_load(optimizer)
-    loaded = dist_checkpointing.load(sharded(model, optimizer, is_loading=True), path)
-    model.load_state_dict(loaded["model"])
-    with torch.no_grad():  # fp32 parameters are their own main copies: views that require grad
-        optimizer.load_state_dict(loaded["optimizer"])
-    restore_steps(optimizer)
+    load_model_and_optimizer(model, optimizer, path, FULLY_RESHARDABLE)
     return model, ddp, optimizer
 
 
