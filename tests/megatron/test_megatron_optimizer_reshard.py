@@ -4,7 +4,8 @@ optimizer across parallel layouts, on 4 gloo ranks (1 for (1,1,1)):
 - a dense GPT across tensor and pipeline parallel changes: (TP, PP, DP) = (2,1,2) -> (2,1,2) ->
   (1,2,2) -> (1,1,1) -> (2,1,2);
 - a mixture-of-experts GPT (4 experts, top-2 router, ``SequentialMLP``) across expert-parallel
-  sizes: EP 2 -> 2 -> 1 -> 4 (DP 4 throughout).
+  sizes: EP 2 -> 2 -> 4 -> 2 with the optimizer, then -> 1 -> 4 with the model only (DP 4
+  throughout; see the test for why).
 
 Each move saves the same state twice, with bcp and with Megatron's torch_dist, in the optimizer's
 ``fully_reshardable`` format (model-space tensors: the format Megatron reshards across TP, PP and
