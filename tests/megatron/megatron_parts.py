@@ -15,19 +15,22 @@ VOCAB, SEQ, HIDDEN, HEADS = 64, 8, 16, 4
 
 
 @contextlib.contextmanager
-def parallel(tp: int = 1, pp: int = 1) -> Iterator[None]:
+def parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> Iterator[None]:
     """Megatron's process groups for this case, destroyed afterwards (the rank pool is shared)."""
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             expert_model_parallel_size=ep)
     try:
         yield
     finally:
         parallel_state.destroy_model_parallel()
 
 
-def gpt(seed: int, num_layers: int = 4, tied: bool = True) -> torch.nn.Module:
-    """This rank's stage of a GPTModel in the current parallel layout (deterministic per seed)."""
+def gpt(seed: int, num_layers: int = 4, tied: bool = True, experts: int | None = None) -> torch.nn.Module:
+    """This rank's stage of a GPTModel in the current parallel layout (deterministic per seed);
+    with ``experts``, every layer's MLP is a mixture of that many experts (top-2 router, one
+    ``SequentialMLP`` of local experts per expert-parallel rank, Megatron's allgather dispatcher)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -37,9 +40,15 @@ def gpt(seed: int, num_layers: int = 4, tied: bool = True) -> torch.nn.Module:
         num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=HEADS, use_cpu_initialization=True,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        pipeline_dtype=torch.float32)
+        pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,  # losses compare across layouts
+        num_moe_experts=experts, expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        moe_router_topk=2, moe_token_dispatcher_type="allgather",
+        # Without Transformer Engine an expert's bias is added in place to a tensor-parallel
+        # reduction's output, which autograd refuses (mlp.py:247 in 0.16.1): MoE layers get no biases.
+        add_bias_linear=experts is None)
     torch.manual_seed(seed)
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False)
+    return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                     pre_process=parallel_state.is_pipeline_first_stage(),
                     post_process=parallel_state.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=tied)
@@ -125,7 +134,11 @@ def cpu_megatron_optimizer() -> Iterator[None]:
     and restore everything after. They are the test's business: bcp's own path needs none."""
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer_module
+    import megatron.core.pipeline_parallel.schedules as schedules
+    import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.utils as core_utils
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
     cpu_torch = torch_on_cpu()
     tensor_type = torch.Tensor.type
@@ -139,12 +152,23 @@ def cpu_megatron_optimizer() -> Iterator[None]:
              (torch.cuda, "synchronize", torch.cuda.synchronize),
              (torch.Tensor, "cuda", torch.Tensor.cuda),
              (torch.nn.Parameter, "type", torch.nn.Parameter.__dict__.get("type")),
-             *[(m, "torch", m.torch) for m in (clip_grads, optimizer_module, core_utils)]]
+             (CudaRNGStatesTracker, "fork", CudaRNGStatesTracker.fork),
+             (moe_utils, "te_general_gemm", moe_utils.__dict__.get("te_general_gemm")),
+             (DistributedOptimizer, "_set_main_param_and_optimizer_states",
+              DistributedOptimizer._set_main_param_and_optimizer_states),
+             *[(m, "torch", m.torch) for m in (clip_grads, optimizer_module, schedules, core_utils)]]
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.nn.Parameter.type = cuda_type
-    for module in (clip_grads, optimizer_module, core_utils):
+    # Tensor-parallel layers fork the CUDA generator around dropout; these models have none.
+    CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()
+    # The MoE router's GEMM tests 'te_general_gemm is not None', a name Megatron binds only when
+    # Transformer Engine imports (NameError without it); None selects its torch.mm path.
+    moe_utils.te_general_gemm = None
+    DistributedOptimizer._set_main_param_and_optimizer_states = _set_states_keeping_step(
+        DistributedOptimizer._set_main_param_and_optimizer_states)
+    for module in (clip_grads, optimizer_module, schedules, core_utils):
         module.torch = cpu_torch
     try:
         yield
@@ -154,6 +178,21 @@ def cpu_megatron_optimizer() -> Iterator[None]:
                 delattr(owner, name)
             else:
                 setattr(owner, name, value)
+
+
+def _set_states_keeping_step(megatron_set_states: Any) -> Any:
+    """Without Apex or Transformer Engine, torch's Adam keeps a 'step' per parameter, which the
+    model-space formats (``fully_reshardable``) do not carry: Megatron's setter then fails with
+    ``KeyError: 'step'`` (distrib_optimizer.py:940 in 0.16.1). The parameter's own step is passed
+    through unchanged; :func:`restore_steps` sets it from the checkpoint's param groups afterwards."""
+
+    def set_states(self: Any, model_param: Any, tensors: dict) -> None:
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        if "step" in state and "step" not in tensors:
+            tensors = {**tensors, "step": state["step"]}
+        megatron_set_states(self, model_param, tensors)
+    return set_states
 
 
 def distributed_optimizer(model: torch.nn.Module) -> tuple[Any, Any]:
@@ -199,3 +238,46 @@ def restore_steps(optimizer: Any) -> None:
         for group in inner.optimizer.param_groups:
             for param in group["params"] if "step" in group else []:
                 inner.optimizer.state[param]["step"] = torch.tensor(float(group["step"]))
+
+
+def save_torch_dist(sharded_state_dict: Any, path: str) -> None:
+    """``dist_checkpointing.save`` with Megatron's torch_dist strategy, from a rank-pool worker.
+
+    torch_dist's writer forks a process per file bucket and keeps a multiprocessing Manager for
+    their results; the pool's workers are daemonic, and multiprocessing refuses children to those.
+    The refusal is lifted for the save (the writers are joined before it returns), and Megatron's
+    cached Manager is dropped afterwards, which shuts its server process down."""
+    import multiprocessing
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    config = multiprocessing.current_process()._config
+    daemon = config.get("daemon")
+    config["daemon"] = False
+    try:
+        dist_checkpointing.save(sharded_state_dict, path, sharded_strategy=("torch_dist", 1))
+    finally:
+        config["daemon"] = daemon
+        filesystem_async._results_queue = None
+
+
+def sharded_state(model: torch.nn.Module, optimizer: Any, metadata: dict, is_loading: bool = False) -> dict:
+    """The model's and the DistributedOptimizer's sharded state dicts, the optimizer's in the
+    format ``metadata`` names (``distrib_optim_sharding_type``)."""
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)}
+
+
+def load_model_and_optimizer(model: torch.nn.Module, optimizer: Any, path: str, metadata: dict) -> None:
+    """``dist_checkpointing.load`` of model and optimizer from ``path`` (the backend named in its
+    metadata.json), with the stand-ins torch's Adam needs before and after (see each)."""
+    from megatron.core import dist_checkpointing
+
+    prime_for_load(optimizer)
+    loaded = dist_checkpointing.load(sharded_state(model, optimizer, metadata, is_loading=True), path)
+    model.load_state_dict(loaded["model"])
+    with torch.no_grad():  # fp32 parameters are their own main copies: views that require grad
+        optimizer.load_state_dict(loaded["optimizer"])
+    restore_steps(optimizer)

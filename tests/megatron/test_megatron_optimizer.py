@@ -4,19 +4,11 @@ DP=1: model and optimizer state bitwise, and the next step identical to the unin
 
 from __future__ import annotations
 
-import torch
-
 import bcp_megatron  # noqa: F401  (registers the 'bcp' backend)
 from megatron_parts import (assemble, assert_bitwise, cpu_megatron_optimizer, distributed_optimizer, gpt,
-                            main_pieces, parallel, prime_for_load, scramble, step, restore_steps)
+                            load_model_and_optimizer, main_pieces, parallel, scramble, sharded_state, step)
 
 DP_RESHARDABLE = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
-def sharded(model, optimizer, is_loading: bool = False) -> dict:
-    model_sd = model.sharded_state_dict()
-    return {"model": model_sd,
-            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=DP_RESHARDABLE)}
 
 
 def save_trained(path: str) -> tuple[list, list]:
@@ -27,7 +19,7 @@ def save_trained(path: str) -> tuple[list, list]:
         _, optimizer = distributed_optimizer(model)
         for seed in (0, 1):  # two steps, so that the saved Adam step differs from a fresh optimizer's
             step(model, optimizer, seed=seed)
-        state = sharded(model, optimizer)
+        state = sharded_state(model, optimizer, DP_RESHARDABLE)
         dist_checkpointing.save(state, path, sharded_strategy=("bcp", 1))
         saved = main_pieces(state)
         step(model, optimizer, seed=2)
@@ -35,19 +27,12 @@ def save_trained(path: str) -> tuple[list, list]:
 
 
 def load_and_continue(path: str) -> tuple[list, list, list]:
-    from megatron.core import dist_checkpointing
-
     with cpu_megatron_optimizer(), parallel():
         model = gpt(seed=2, num_layers=2)
         _, optimizer = distributed_optimizer(model)
-        prime_for_load(optimizer)
         scramble(model)
-        loaded = dist_checkpointing.load(sharded(model, optimizer, is_loading=True), path)
-        model.load_state_dict(loaded["model"])
-        with torch.no_grad():  # fp32 parameters are their own main copies: views that require grad
-            optimizer.load_state_dict(loaded["optimizer"])
-        restore_steps(optimizer)
-        state = sharded(model, optimizer)
+        load_model_and_optimizer(model, optimizer, path, DP_RESHARDABLE)
+        state = sharded_state(model, optimizer, DP_RESHARDABLE)
         pieces = main_pieces(state)
         irregular = [v.key for v in _sharded_tensors(state) if v.axis_fragmentations is None]
         step(model, optimizer, seed=2)
