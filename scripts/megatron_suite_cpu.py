@@ -25,6 +25,7 @@ _CUDA = "cuda"
 # A test that fails on some ranks only leaves the others waiting in a collective: give up after
 # this long instead of torch's default (the rest of the run then reports "not finished").
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+_ERROR_CHARS = 1500
 
 # The suite initialises NCCL and pins a GPU per rank: gloo, and no device to pin.
 _init_process_group = torch.distributed.init_process_group
@@ -89,17 +90,30 @@ import megatron.core.utils as _megatron_utils
 if importlib.util.find_spec("transformer_engine") is None:
     _megatron_utils.is_te_min_version = lambda version, check_equality=True: False
 
+# Megatron-Core 0.16.1's remove_sharded_tensors uses FileSystemWriter.metadata_path, which newer
+# torch (2.13 here) has as _get_metadata_path(): a torch-version stand-in, for both backends.
+from torch.distributed.checkpoint import FileSystemWriter
+
+if not hasattr(FileSystemWriter, "metadata_path"):
+    FileSystemWriter.metadata_path = property(lambda self: self._get_metadata_path())
+
 if BACKEND == "bcp":
     # The suite's conftest makes ('torch_dist', 1) the default save strategy; here that request
-    # gets bcp's ('bcp', 1). Strategies a test builds by class stay what they are.
+    # gets bcp's ('bcp', 1). A request for torch_dist's load strategy by name gets bcp's subclass of
+    # it, which reads bcp checkpoints and hands torch_dist ones to torch_dist (what Megatron-LM 0.17
+    # gets under bcp_megatron.launch). Strategies a test builds by class stay what they are.
     import bcp_megatron  # noqa: F401  (registers ('bcp', 1))
+    from bcp_megatron.strategies_torch_dist import BcpLoadShardedStrategy
     from megatron.core.dist_checkpointing.strategies import base
 
     _get_default_strategy = base.get_default_strategy
 
     def _bcp_by_default(action, backend, version):
-        if action == base.StrategyAction.SAVE_SHARDED and (backend, version) == ("torch_dist", 1):
-            backend = "bcp"
+        if (backend, version) == ("torch_dist", 1):
+            if action == base.StrategyAction.SAVE_SHARDED:
+                backend = "bcp"
+            elif action == base.StrategyAction.LOAD_SHARDED:
+                return BcpLoadShardedStrategy()
         return _get_default_strategy(action, backend, version)
 
     for _module in list(sys.modules.values()):
@@ -110,8 +124,14 @@ if BACKEND == "bcp":
 def pytest_configure(config) -> None:
     # Ranks share checkpoints through basetemp's parent (the suite's tmp_path_dist_ckpt fixture).
     config.option.basetemp = os.path.join(RESULTS, "tmp", f"rank{RANK}")
+    # torchrun starts its workers in sessions of their own: the driver ends them by pid on a timeout.
+    with open(os.path.join(RESULTS, f"rank{RANK}.pid"), "w") as out:
+        out.write(str(os.getpid()))
 
 
 def pytest_runtest_logreport(report) -> None:
+    phase = {"test": report.nodeid, "when": report.when, "outcome": report.outcome}
+    if report.failed:  # the end of the traceback: the error and where it was raised
+        phase["error"] = report.longreprtext[-_ERROR_CHARS:]
     with open(os.path.join(RESULTS, f"rank{RANK}.jsonl"), "a") as out:
-        out.write(json.dumps({"test": report.nodeid, "when": report.when, "outcome": report.outcome}) + "\n")
+        out.write(json.dumps(phase) + "\n")

@@ -13,6 +13,7 @@ from crc32c import crc32c
 from torch import nn
 
 import bcp
+import bcp.integration
 from models import MLP, assert_bitwise, build, full_state, read_manifest, train
 
 
@@ -167,6 +168,29 @@ def test_shape_and_dtype_mismatch_name_the_tensor(tmp_path):
         bcp.load(tmp_path, {"model": {"w": torch.zeros(3, 2)}})
     with pytest.raises(bcp.MismatchError, match=r"dtype mismatch.*float32.*float64.*'model/w'"):
         bcp.load(tmp_path, {"model": {"w": torch.zeros(2, 3, dtype=torch.float64)}})
+    with pytest.raises(bcp.MismatchError, match=r"dtype mismatch.*cast_dtype=True"):
+        bcp.load(tmp_path, {"model": {"w": torch.zeros(2, 3, dtype=torch.float64)}}, transactional=False)
+
+
+@pytest.mark.parametrize("transactional", [True, False])
+def test_cast_dtype_converts_on_request_only(tmp_path, transactional):
+    saved = torch.arange(-3, 9, dtype=torch.int64).reshape(3, 4)
+    bcp.save(tmp_path, {"model": {"w": saved, "same": saved.clone()}})
+    # a live view into a bigger tensor: the conversion lands in the view, nothing beside it moves
+    backing = torch.full((3, 6), 0.5, dtype=torch.float16)
+    state = {"model": {"w": backing[:, 1:5], "same": torch.zeros(3, 4, dtype=torch.int64)}}
+    bcp.load(tmp_path, state, cast_dtype=True, transactional=transactional)
+    assert state["model"]["w"].dtype == torch.float16 and torch.equal(state["model"]["w"], saved.to(torch.float16))
+    assert torch.equal(backing[:, 0], torch.full((3,), 0.5, dtype=torch.float16))
+    assert torch.equal(backing[:, 5], torch.full((3,), 0.5, dtype=torch.float16))
+    assert torch.equal(state["model"]["same"], saved)
+    # a piece of the saved tensor, cast, through the reader door as integrations use it
+    checkpoint = bcp.integration.open_checkpoint(tmp_path)
+    piece = torch.zeros(2, 2, dtype=torch.float32)
+    checkpoint.check_meta("model/w", piece.dtype, (3, 4), cast_dtype=True)
+    box = bcp.integration.Box((1, 2), (2, 2))
+    checkpoint.read_pieces([bcp.integration.Piece("model/w", piece.dtype, (3, 4), box, piece)])
+    assert torch.equal(piece, saved[1:3, 2:4].float())
 
 
 def test_strict_missing_and_unexpected_keys(tmp_path):

@@ -3,9 +3,9 @@ own ``test_load_error_msg`` and ``test_tensor_shape_mismatch`` (tests/unit_tests
 test_serialization.py at core_v0.16.1) check, with bcp as the sharded backend. Those tests catch
 ``megatron.core.dist_checkpointing.core.CheckpointingException``; bcp's errors must be that and stay
 ``bcp.CheckpointError`` s. Upstream runs the shape case at TP=2 x PP=4 on 8 ranks; here TP=2 on 2
-ranks, which gives the same smaller-than-saved and larger-than-saved requests; the requests are
-int64 like the saved tensor (upstream asks for float32, which torch_dist casts and bcp refuses with a
-``MismatchError`` naming both dtypes, so upstream's test still fails at its allow_shape_mismatch step).
+ranks, which gives the same smaller-than-saved and larger-than-saved requests. As upstream, the
+saved tensor is int64 and the requests float32: Megatron's contract (torch_dist) casts, and so does
+bcp's load strategy (``cast_dtype``, on there; off in ``bcp.load``).
 
 Also Megatron's ``common.pt`` in a bcp checkpoint: read with ``weights_only=True``, so a pickle that
 would run code is refused with ``bcp.UnsafeCheckpointError`` and runs nothing."""
@@ -82,7 +82,7 @@ def shape_mismatches(path: str) -> dict:
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
 
         def request(key: str, width: int, **kwargs) -> dict:
-            return {key: ShardedTensor.from_rank_offsets("keyA" if key == "rigid" else "keyB", torch.ones(2, width, dtype=torch.int64),
+            return {key: ShardedTensor.from_rank_offsets("keyA" if key == "rigid" else "keyB", torch.ones(2, width),
                                                          (1, pp_rank, pp_size), replica_id=tp_rank, **kwargs)}
 
         return {
@@ -99,8 +99,8 @@ def test_tensor_shape_mismatch_is_a_megatron_exception(ranks, tmp_path):
             is_megatron, bcp_class, message = outcome[case]
             assert (is_megatron, bcp_class) == (True, "MismatchError"), outcome[case]
             assert "keyA" in message and str(tmp_path) in message
-        assert torch.equal(outcome["smaller flexible"], torch.arange(7).unsqueeze(0).expand(2, 7))
-        padded = torch.arange(9).unsqueeze(0).expand(2, 9).clone()
+        assert torch.equal(outcome["smaller flexible"], torch.arange(7.0).unsqueeze(0).expand(2, 7))
+        padded = torch.arange(9.0).unsqueeze(0).expand(2, 9).clone()
         padded[:, 8:] = 0  # the saved tensor is 8 wide
         assert torch.equal(outcome["larger flexible"], padded)
 

@@ -26,7 +26,7 @@ _LISTED = 20
 
 class BcpLoader:
     """The load both strategy flavours share, with its options (``allow_pickle``, ``verify``,
-    ``io_threads``, ``coordinator`` are used)."""
+    ``io_threads``, ``coordinator``, ``cast_dtype`` are used)."""
 
     def __init__(self, options: bcp.LoadOptions) -> None:
         self.options = options
@@ -38,7 +38,7 @@ class BcpLoader:
         coord = as_coordinator(options.coordinator)
         checkpoint = open_checkpoint(checkpoint_dir, verify=options.verify, io_threads=options.io_threads,
                                      coordinator=coord)
-        loaded = Outcome.of(lambda: _read(sharded_state_dict, _megatron(checkpoint), options.allow_pickle))
+        loaded = Outcome.of(lambda: _read(sharded_state_dict, _megatron(checkpoint), options))
         all_agree(coord, Outcome(error=loaded.error), f"loading {checkpoint.path}")
         return loaded.value
 
@@ -74,7 +74,7 @@ def _megatron(checkpoint: Checkpoint) -> Checkpoint:
     return checkpoint
 
 
-def _read(sharded_state_dict: dict, checkpoint: Checkpoint, allow_pickle: bool) -> dict:
+def _read(sharded_state_dict: dict, checkpoint: Checkpoint, options: bcp.LoadOptions) -> dict:
     manifest = checkpoint.manifest
     values: dict[int, Any] = {}
     pieces: list[Piece] = []
@@ -86,7 +86,7 @@ def _read(sharded_state_dict: dict, checkpoint: Checkpoint, allow_pickle: bool) 
             if name not in manifest.tensors:
                 absent.append(value.key)
                 continue
-            pieces.extend(_tensor_pieces(value, name, checkpoint))
+            pieces.extend(_tensor_pieces(value, name, checkpoint, options.cast_dtype))
             values[id(value)] = value.data
         elif isinstance(value, ShardedObject):
             name = object_name(value)
@@ -106,14 +106,15 @@ def _read(sharded_state_dict: dict, checkpoint: Checkpoint, allow_pickle: bool) 
     checkpoint.read_pieces(pieces)
     for value, name in objects:  # read from the record its main replica wrote, whichever rank that was
         owner = checkpoint.value_source(name)
-        values[id(value)] = restored(checkpoint.read_object(name, rank=owner, allow_pickle=allow_pickle))
+        values[id(value)] = restored(checkpoint.read_object(name, rank=owner, allow_pickle=options.allow_pickle))
     return dict_list_map_outplace(lambda value: values[id(value)], sharded_state_dict)
 
 
-def _tensor_pieces(sh_ten: ShardedTensor, name: str, checkpoint: Checkpoint) -> list[Piece]:
+def _tensor_pieces(sh_ten: ShardedTensor, name: str, checkpoint: Checkpoint, cast_dtype: bool) -> list[Piece]:
     saved_shape = checkpoint.tensors[name].shape
     resized = sh_ten.allow_shape_mismatch and tuple(sh_ten.global_shape) != saved_shape
-    checkpoint.check_meta(name, sh_ten.dtype, saved_shape if resized else tuple(sh_ten.global_shape))
+    checkpoint.check_meta(name, sh_ten.dtype, saved_shape if resized else tuple(sh_ten.global_shape),
+                          cast_dtype=cast_dtype)
     if sh_ten.data is None:
         sh_ten.data = empty_like_chunk(sh_ten)
     elif sh_ten.allow_shape_mismatch:

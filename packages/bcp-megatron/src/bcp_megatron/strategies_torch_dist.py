@@ -59,13 +59,15 @@ class BcpSaveShardedStrategy(TorchDistSaveShardedStrategy):
 
 
 class BcpLoadShardedStrategy(TorchDistLoadShardedStrategy):
-    """Loads bcp checkpoints into any layout, and torch_dist checkpoints through torch_dist."""
+    """Loads bcp checkpoints into any layout, and torch_dist checkpoints through torch_dist;
+    ``cast_dtype`` (on, as torch_dist casts) converts a tensor saved in another dtype than the
+    requested one."""
 
     def __init__(self, *, allow_pickle: bool = False, verify: bool = True, io_threads: int = DEFAULT_IO_THREADS,
-                 coordinator: Coordinator | None = None, cache_metadata: bool = False) -> None:
+                 coordinator: Coordinator | None = None, cast_dtype: bool = True, cache_metadata: bool = False) -> None:
         super().__init__(cache_metadata=cache_metadata)
         self.loader = BcpLoader(bcp.LoadOptions(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads,
-                                                coordinator=coordinator))
+                                                coordinator=coordinator, cast_dtype=cast_dtype))
 
     def can_handle_sharded_objects(self) -> bool:
         return True

@@ -29,7 +29,7 @@ from bcp.layout.indexing import box_for_index
 from bcp.layout.manifest import Manifest, ObjectEntry, TensorEntry
 from bcp.layout.piece import Piece
 from bcp.layout.read_op import ReadOp
-from bcp.planning.load_plan import check_meta, plan_reads
+from bcp.planning.load_plan import check_meta, plan_reads, staged
 from bcp.storage import Storage
 
 
@@ -70,8 +70,13 @@ class Checkpoint:
         return plan_reads(self.manifest, pieces)
 
     def read_pieces(self, pieces: list[Piece]) -> None:
-        """Fill ``pieces`` in place from the saved shards."""
-        self.reader.run(self.plan(pieces), self.io_threads)
+        """Fill ``pieces`` in place from the saved shards; a piece whose dtype is not its tensor's
+        saved one (which ``check_meta`` allows with ``cast_dtype``) is read in the saved dtype and
+        converted."""
+        reads, pairs = staged(self.manifest, pieces, every=False)
+        self.reader.run(self.plan(reads), self.io_threads)
+        for piece, staging in pairs:
+            piece.tensor.copy_(staging)
 
     def read(self, name: str, index: Any = None) -> torch.Tensor:
         """Tensor ``name``, or ``tensor[index]`` for an index of integers, slices and ``...``; only
@@ -122,9 +127,10 @@ class Checkpoint:
             return rank
         return next(r for r, record in enumerate(ranks) if record >= 0)
 
-    def check_meta(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        """The live tensor ``name`` must have the saved dtype and global shape."""
-        check_meta(self.manifest, name, dtype, shape, self.path)
+    def check_meta(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], *, cast_dtype: bool = False) -> None:
+        """The live tensor ``name`` must have the saved global shape, and the saved dtype unless
+        ``cast_dtype``."""
+        check_meta(self.manifest, name, dtype, shape, self.path, cast_dtype=cast_dtype)
 
     def tensor_entry(self, name: str) -> TensorEntry:
         entry = self.tensors.get(name)

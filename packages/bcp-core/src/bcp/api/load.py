@@ -29,6 +29,7 @@ from bcp.errors import CheckpointError, MismatchError
 from bcp.layout.piece import Piece
 from bcp.layout.read_op import ReadOp, ReadRequest, ReadRole
 from bcp.layout.shards import is_tensor_value
+from bcp.planning.load_plan import staged
 from bcp.planning.pieces import pieces_of, tensor_meta
 from bcp.planning.read_once import assign_readers
 from bcp.storage import Storage
@@ -44,7 +45,8 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
     asks for its own names only); ``verify`` checks every byte
     read against its checksum; with ``read_once``, bytes that several ranks need (data-parallel
     replicas) are read from storage by one of them and sent to the others over the process group;
-    ``transactional`` (default) leaves the live state untouched when the load fails;
+    ``transactional`` (default) leaves the live state untouched when the load fails; with
+    ``cast_dtype``, a tensor saved in another dtype than the live one is converted instead of refused;
     ``framework``, ``role``, ``coordinator``, ``allow_pickle``, ``io_threads``.
     """
     options = (options or LoadOptions()).merged(keywords)
@@ -99,7 +101,7 @@ class _Plan:
     names: NameMatch
     ops: list[ReadOp] = field(default_factory=list)
     values: list[str] = field(default_factory=list)
-    #: (live piece, staging tensor) pairs of a transactional load: the reads fill the staging tensors.
+    #: (live piece, staging tensor) pairs of a transactional or cast load: the reads fill the staging tensors.
     staged: list[tuple[Piece, torch.Tensor]] = field(default_factory=list)
 
 
@@ -112,7 +114,7 @@ def _plan(state: dict[str, Any], checkpoint: Checkpoint, result: LoadResult, opt
     pieces: list[Piece] = []
     for name in result.loaded:
         if name in manifest.tensors and is_tensor_value(plan.wanted[name]):
-            checkpoint.check_meta(name, *tensor_meta(name, plan.wanted[name]))
+            checkpoint.check_meta(name, *tensor_meta(name, plan.wanted[name]), cast_dtype=options.cast_dtype)
             pieces.extend(pieces_of(name, plan.wanted[name]))
         elif name in manifest.objects:
             if plan.wanted[name] is not SKIP:
@@ -120,9 +122,7 @@ def _plan(state: dict[str, Any], checkpoint: Checkpoint, result: LoadResult, opt
         else:
             raise MismatchError("saved as a tensor but the live value is not one, or the reverse",
                                 path=result.path, key=name)
-    if options.transactional:
-        plan.staged = [(piece, torch.empty(piece.box.lengths, dtype=piece.dtype)) for piece in pieces]
-        pieces = [Piece(p.name, p.dtype, p.global_shape, p.box, staging) for p, staging in plan.staged]
+    pieces, plan.staged = staged(manifest, pieces, every=options.transactional)
     plan.ops = checkpoint.plan(pieces)
     return plan
 

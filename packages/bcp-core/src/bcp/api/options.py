@@ -79,3 +79,7 @@ class LoadOptions(_CommonOptions):
     transactional: bool = True
     """Read into staging memory and place into the live tensors only once every rank has read and
     verified everything: a failed load leaves the live state as it was (at the cost of one copy)."""
+    cast_dtype: bool = False
+    """A saved tensor whose dtype differs from the live tensor's is converted to the live dtype (by
+    torch's ``copy_``, through a staging copy in the saved dtype). Off, such a tensor is a
+    ``MismatchError`` naming it and both dtypes. For frameworks whose contract casts (Megatron's)."""

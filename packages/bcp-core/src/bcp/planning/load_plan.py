@@ -8,22 +8,41 @@ import torch
 
 from bcp.errors import MismatchError
 from bcp.layout.box import Box
-from bcp.layout.dtypes import dtype_name
+from bcp.layout.dtypes import dtype_from_name, dtype_name
 from bcp.layout.manifest import Manifest
 from bcp.layout.shard_table import ShardTable
 from bcp.layout.piece import Piece, box_columns
 from bcp.layout.read_op import ReadOp
 
 
-def check_meta(manifest: Manifest, name: str, dtype: torch.dtype, shape: tuple[int, ...], path: str) -> None:
-    """The live tensor must have the saved dtype and global shape (whether or not it has pieces here)."""
+def check_meta(manifest: Manifest, name: str, dtype: torch.dtype, shape: tuple[int, ...], path: str, *,
+               cast_dtype: bool = False) -> None:
+    """The live tensor must have the saved global shape, and the saved dtype unless ``cast_dtype``
+    (whether or not it has pieces here)."""
     entry = manifest.tensors[name]
-    if entry.dtype != dtype_name(dtype):
-        raise MismatchError(f"dtype mismatch: checkpoint has {entry.dtype}, the live tensor is {dtype_name(dtype)}",
-                            path=path, key=name)
+    if entry.dtype != dtype_name(dtype) and not cast_dtype:
+        raise MismatchError(f"dtype mismatch: checkpoint has {entry.dtype}, the live tensor is {dtype_name(dtype)} "
+                            "(load with cast_dtype=True to convert)", path=path, key=name)
     if entry.shape != tuple(shape):
         raise MismatchError(f"global shape mismatch: checkpoint has {list(entry.shape)}, the live tensor is "
                             f"{list(shape)}", path=path, key=name)
+
+
+def staged(manifest: Manifest, pieces: list[Piece], *,
+           every: bool) -> tuple[list[Piece], list[tuple[Piece, torch.Tensor]]]:
+    """The pieces to read, and (live piece, staging tensor) pairs to copy once read: a piece is read
+    into a staging tensor of the saved dtype when ``every`` (a transactional load) or when its dtype
+    is not the saved one (a cast load; the copy converts)."""
+    reads, pairs = [], []
+    for piece in pieces:
+        saved = dtype_from_name(manifest.tensors[piece.name].dtype)
+        if not every and piece.dtype == saved:
+            reads.append(piece)
+            continue
+        staging = torch.empty(piece.box.lengths, dtype=saved)
+        pairs.append((piece, staging))
+        reads.append(Piece(piece.name, saved, piece.global_shape, piece.box, staging))
+    return reads, pairs
 
 
 def plan_reads(manifest: Manifest, pieces: list[Piece]) -> list[ReadOp]:
