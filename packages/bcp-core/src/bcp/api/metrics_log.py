@@ -12,9 +12,11 @@ write it is a warning."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
 import uuid
 from typing import Any, Iterator, Mapping
 
@@ -31,13 +33,15 @@ logger = logging.getLogger("bcp")
 def append_record(location: Location, target: "bool | str | os.PathLike", record: Mapping[str, Any]) -> None:
     """Add ``record`` to the log ``target`` names (``True``: beside the checkpoints at ``location``)."""
     line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    beside_a_load = target is True and record.get("op") == "load"
     try:
         if target is True:
-            _put_record(location, record, line)
+            with _storage_errors_unlogged() if beside_a_load else contextlib.nullcontext():
+                _put_record(location, record, line)
         else:
             _append_to_file(os.fspath(target), line)
     except (OSError, CheckpointError) as exc:
-        if target is True and record.get("op") == "load":
+        if beside_a_load:
             logger.debug("bcp: no metrics log for this load of %s (cannot write beside it: %s)",
                          location.display, exc)
         else:
@@ -49,6 +53,24 @@ def _put_record(location: Location, record: Mapping[str, Any], line: bytes) -> N
     stem = f"{location.prefix}{METRICS_DIR}/{round(record['start'] * 1e6):017d}-{record['op']}"
     while not location.storage.put_if_absent(f"{stem}-{uuid.uuid4().hex[:8]}{_SUFFIX}", line):
         pass  # the same microsecond and the same random tag: draw another
+
+
+@contextlib.contextmanager
+def _storage_errors_unlogged() -> Iterator[None]:
+    """The storage layer logs a request that failed for good before raising it. Where a load may only
+    read, its log write failing is expected, not an error: this thread's storage records are dropped
+    meanwhile (other threads', an async save's among them, still pass)."""
+    this_thread = threading.get_ident()
+
+    def other_threads(record: logging.LogRecord) -> bool:
+        return record.thread != this_thread
+
+    storage_logger = logging.getLogger("bcp.storage")
+    storage_logger.addFilter(other_threads)
+    try:
+        yield
+    finally:
+        storage_logger.removeFilter(other_threads)
 
 
 def _append_to_file(path: str, line: bytes) -> None:
