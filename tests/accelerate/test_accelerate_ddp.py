@@ -11,6 +11,9 @@ import accelerate
 import pytest
 
 import bcp_accelerate
+from bcp.api.metrics import OpRecord
+from bcp.api.metrics_log import read_records
+from bcp.engine.location import METRICS_DIR
 from accelerate_helpers import (
     SAVED_AT,
     Counter,
@@ -44,8 +47,25 @@ def ddp_checkpoint(ranks, tmp_path_factory):
 def test_bcp_checkpoint_replaces_accelerate_files(ddp_checkpoint):
     path, _ = ddp_checkpoint
     names = sorted(os.listdir(path))
-    assert names[0].startswith("accelerate-") and names[1:] == ["gen-00000001"]
+    assert names[0].startswith("accelerate-") and names[1:] == [METRICS_DIR, "gen-00000001"]
     assert {"scheduler.bin", "random_states_0.pkl", "random_states_1.pkl"} <= set(os.listdir(f"{path}/{names[0]}"))
+
+
+def load_state_on_each_process(path: str) -> int:
+    with session("bcp") as accelerator:
+        build(accelerator, seed=2)
+        accelerator.load_state(path)
+        return accelerator.process_index
+
+
+def test_metrics_records_carry_the_process_index(ranks, ddp_checkpoint):
+    path, _ = ddp_checkpoint
+    loads_before = [r for r in read_records(path) if r["op"] == "load"]
+    assert ranks(2).run(load_state_on_each_process, path) == [0, 1]
+    saves, loads = ([OpRecord.from_json(r) for r in read_records(path) if r["op"] == op] for op in ("save", "load"))
+    assert len(loads) == len(loads_before) + 1  # load_state's read of its own record is not an operation
+    for record in (saves[0], loads[-1]):
+        assert [(r.rank, r.topology) for r in record.ranks] == [(0, {"dp": 0}), (1, {"dp": 1})]
 
 
 def test_ddp_resume_on_two_processes_continues_exactly(ranks, ddp_checkpoint):

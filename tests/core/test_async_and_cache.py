@@ -11,6 +11,7 @@ import textwrap
 import torch
 
 import bcp
+from bcp.engine.location import METRICS_DIR
 from bcp.integration import runtime
 from models import assert_bitwise, build, full_state, rank, shard_files, train
 
@@ -207,7 +208,7 @@ def async_distributed_case(path: str) -> list:
 def test_async_fsdp2_saves_pipeline_and_commit_in_order(ranks, tmp_path):
     generation, listing, loaded, expected_second, expected_first = ranks(2).run(async_distributed_case,
                                                                                  str(tmp_path))[0]
-    assert generation == 2 and listing == ["gen-00000001", "gen-00000002"]  # the newest two are kept
+    assert generation == 2 and listing == [METRICS_DIR, "gen-00000001", "gen-00000002"]  # the newest two are kept
     assert_bitwise(expected_second, loaded)
     assert not all(torch.equal(expected_first[k], expected_second[k]) for k in expected_first)
 

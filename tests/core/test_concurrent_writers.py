@@ -14,6 +14,7 @@ import torch
 
 import bcp
 from bcp.api.location import resolve
+from bcp.engine.location import METRICS_DIR
 from bcp.storage import LocalStorage
 from bcp.tools import open_checkpoint
 from bcp.tools.verify import verify_checkpoint
@@ -111,7 +112,7 @@ def test_a_reader_whose_generation_is_retired_while_opening_takes_the_newest(tmp
 def test_retention_keeps_the_configured_number_of_committed_generations(tmp_path):
     for tag in range(4):
         bcp.save(tmp_path / "default", _state(tag))
-    assert sorted(os.listdir(tmp_path / "default")) == ["gen-00000003", "gen-00000004"]
+    assert sorted(os.listdir(tmp_path / "default")) == [METRICS_DIR, "gen-00000003", "gen-00000004"]
 
     # Generations 1-8 by several writers: 2 and 5 never committed (failed), 8 is still being written.
     for generation in range(1, 9):

@@ -14,6 +14,7 @@ from torch import nn
 
 import bcp
 import bcp.integration
+from bcp.engine.location import METRICS_DIR
 from models import MLP, assert_bitwise, build, full_state, read_manifest, train
 
 
@@ -111,7 +112,7 @@ def test_generations_replace_old_after_commit_and_roles_live_side_by_side(tmp_pa
     assert bcp.save(tmp_path, {"model": model}).generation == 1
     assert bcp.save(tmp_path, {"model": model}).generation == 2
     assert bcp.save(tmp_path, {"model": model}).generation == 3
-    assert sorted(os.listdir(tmp_path)) == ["gen-00000002", "gen-00000003"]  # the newest two are kept
+    assert sorted(os.listdir(tmp_path)) == [METRICS_DIR, "gen-00000002", "gen-00000003"]  # the newest two are kept
     bcp.save(tmp_path, {"model": {"w": torch.ones(3)}}, role="critic")
     critic = {"w": torch.zeros(3)}
     bcp.load(tmp_path, {"model": critic}, role="critic")
@@ -286,7 +287,7 @@ def test_every_earlier_format_version_still_loads(version):
     from fixture_state import empty_like_fixture, fixture_state
 
     state = empty_like_fixture()
-    bcp.load(Path(__file__).parent.parent / "fixtures" / version, state)
+    bcp.load(Path(__file__).parent.parent / "fixtures" / version, state, metrics_log=False)  # no log into the repo
     expected = fixture_state()
     for key, value in expected["model"].items():
         assert torch.equal(state["model"][key], value) and state["model"][key].dtype == value.dtype, key

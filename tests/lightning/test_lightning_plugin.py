@@ -16,6 +16,7 @@ from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 
 import bcp
+from bcp.engine.location import METRICS_DIR
 from bcp_lightning import BCPCheckpointIO, BCPDDPStrategy
 from lightning_worker import Data, LitMLP, full_state
 from models import assert_bitwise
@@ -129,7 +130,7 @@ def test_model_checkpoint_top_k_last_and_link(tmp_path):
     second.fit(LitMLP(), datamodule=Data(shuffle=False), ckpt_path="last")
     assert second.global_step == 48 and linked["global_step"] == 36
     assert not os.path.islink(tmp_path / "last.ckpt")
-    assert os.listdir(tmp_path / "epoch=2.ckpt") == ["gen-00000001"]
+    assert sorted(os.listdir(tmp_path / "epoch=2.ckpt")) == [METRICS_DIR, "gen-00000001"]
     assert_same(linked, BCPCheckpointIO().load_checkpoint(tmp_path / "epoch=2.ckpt"))
 
     # Top-k removal goes through the plugin; last.ckpt is rewritten at the same path, each save a
@@ -137,7 +138,7 @@ def test_model_checkpoint_top_k_last_and_link(tmp_path):
     third = trainer(tmp_path / "top1", 3, top_k=1, monitor="step", save_last=True)
     third.fit(LitMLP(), datamodule=Data(shuffle=False))
     assert sorted(os.listdir(tmp_path / "top1")) == ["epoch=2.ckpt", "last.ckpt"]
-    assert sorted(os.listdir(tmp_path / "top1" / "last.ckpt")) == ["gen-00000002", "gen-00000003"]
+    assert sorted(os.listdir(tmp_path / "top1" / "last.ckpt")) == [METRICS_DIR, "gen-00000002", "gen-00000003"]
 
 
 def test_trainer_save_checkpoint_and_weights_only(tmp_path):

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import bcp
+from bcp.api.metrics import OpRecord
+from bcp.api.metrics_log import read_records
 from lightning_launch import run
 from models import MLP, assert_bitwise
 
@@ -226,3 +228,22 @@ def test_clear_errors_when_a_resume_cannot_work(back_to_one):
     assert "keyed by parameter index" in back_to_one["index_keyed_into_fsdp2"]
     assert "BCPDDPStrategy" in back_to_one["index_keyed_into_fsdp2"]
     assert "holds no optimizer state" in back_to_one["weights_only_resume"]
+
+
+def records(path: str, op: str) -> list[OpRecord]:
+    return [OpRecord.from_json(r) for r in read_records(path) if r["op"] == op]
+
+
+def test_metrics_records_carry_each_strategys_topology(root, two_processes):
+    """BCPDDPStrategy: the rank in the checkpoint's group as ``dp``; BCPModelParallelStrategy: the
+    rank's coordinates on its device mesh, for the saves and for the resumes' loads."""
+    [ddp] = records(f"{root}/bcp_ddp/explicit.ckpt", "save")
+    assert [(r.rank, r.topology, r.local_rank) for r in ddp.ranks] == [(0, {"dp": 0}, 0), (1, {"dp": 1}, 1)]
+    fsdp2_mesh = [{"dp": 0, "tp": 0}, {"dp": 1, "tp": 0}]  # data_parallel_size=2, tensor_parallel_size=1
+    tp_mesh = [{"dp": 0, "tp": 0}, {"dp": 0, "tp": 1}]  # data_parallel_size=1, tensor_parallel_size=2
+    assert [r.topology for r in records(f"{root}/mp2/last.ckpt", "save")[-1].ranks] == fsdp2_mesh
+    assert [r.topology for r in records(f"{root}/tp/last.ckpt", "save")[-1].ranks] == tp_mesh
+    # explicit.ckpt was resumed twice, by ddp_to_fsdp2 then ddp_to_tp: one record per resume (the
+    # read of Lightning's metadata before the state is a step of it, not recorded on its own)
+    assert [[r.topology for r in load.ranks] for load in records(f"{root}/bcp_ddp/explicit.ckpt", "load")] == [
+        fsdp2_mesh, tp_mesh]

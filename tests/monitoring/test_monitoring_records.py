@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
 
 import bcp
 from bcp.api.metrics import OpRecord, RankRecord
-from bcp.api.metrics_log import METRICS_LOG, read_records
+from bcp.api.metrics_log import read_records
+from bcp.engine.location import METRICS_DIR
 from bcp.cli import main
 from bcp.tools import report
 from bcp.tools.heatmap import layout_of
@@ -20,9 +22,9 @@ from bcp.tools.heatmap import layout_of
 def test_save_and_load_records_in_python_log_and_logger(tmp_path, caplog):
     state = {"model": {"w": torch.arange(1000, dtype=torch.float32)}}
     with caplog.at_level(logging.INFO, logger="bcp"):
-        handle = bcp.save(tmp_path, state, async_save=True, topology={"dp": 0}, metrics_log=True)
+        handle = bcp.save(tmp_path, state, async_save=True, topology={"dp": 0})  # the log is on by default
         handle.wait()
-        result = bcp.load(tmp_path, {"model": {"w": torch.zeros(1000)}}, metrics_log=True)
+        result = bcp.load(tmp_path, {"model": {"w": torch.zeros(1000)}})
     saved, loaded = handle.metrics, result.metrics
     assert saved.ok and saved.bytes == 4000 and saved.ranks[0].topology == {"dp": 0}
     assert [name for name, _, _ in saved.ranks[0].phases] == ["collect", "plan", "stage", "write", "commit"]
@@ -35,16 +37,17 @@ def test_save_and_load_records_in_python_log_and_logger(tmp_path, caplog):
     assert all("GB/s" in line and "blocking" in line for line in summaries)
 
 
-def test_no_log_file_unless_asked_and_a_named_log_file(tmp_path):
-    bcp.save(tmp_path / "a", {"model": {"w": torch.ones(4)}})
-    assert not (tmp_path / "a" / METRICS_LOG).exists()
+def test_false_turns_the_log_off_and_a_path_redirects_it(tmp_path):
+    bcp.save(tmp_path / "a", {"model": {"w": torch.ones(4)}}, metrics_log=False)
+    assert sorted(os.listdir(tmp_path / "a")) == ["gen-00000001"]
     bcp.save(tmp_path / "b", {"model": {"w": torch.ones(4)}}, metrics_log=tmp_path / "logs" / "m.jsonl")
+    assert sorted(os.listdir(tmp_path / "b")) == ["gen-00000001"]
     assert [r["op"] for r in read_records(tmp_path / "logs" / "m.jsonl")] == ["save"]
 
 
 def test_the_log_of_a_role_lies_in_its_folder(tmp_path, capsys):
-    bcp.save(tmp_path, {"model": {"w": torch.ones(4)}}, role="actor", metrics_log=True)
-    assert (tmp_path / "actor" / METRICS_LOG).exists()
+    bcp.save(tmp_path, {"model": {"w": torch.ones(4)}}, role="actor")
+    assert sorted(os.listdir(tmp_path / "actor")) == [METRICS_DIR, "gen-00000001"]
     assert main(["report", str(tmp_path), "--role", "actor", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["path"] == f"{tmp_path}/actor"
 

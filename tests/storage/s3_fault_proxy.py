@@ -4,7 +4,8 @@ Each request is forwarded to the server unless ``fault(method, path)`` picks a f
 ``"slowdown"`` answers 503 SlowDown without forwarding, ``"reset"`` resets the connection before
 forwarding, ``"reset_after"`` forwards (the server acts) and then resets instead of replying (the
 client cannot know whether its request took effect), ``"stall"`` holds the request unanswered for
-``stall_s`` seconds and then drops the connection. The proxy counts requests, faults and the
+``stall_s`` seconds and then drops the connection, ``"forbidden"`` answers 403 AccessDenied without
+forwarding (as a bucket policy that lets the caller only read). The proxy counts requests, faults and the
 response body bytes it relays, so tests can check how much a load downloaded.
 """
 
@@ -24,6 +25,8 @@ Fault = Callable[[str, str], "str | None"]
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection"}
 _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
+_ACCESS_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+                  b"<Message>Access Denied</Message></Error>")
 
 
 class FaultProxy:
@@ -72,6 +75,8 @@ class FaultProxy:
                         proxy.faults[fault] += 1
                 if fault == "slowdown":
                     return self._reply(503, [("Content-Type", "application/xml")], _SLOWDOWN)
+                if fault == "forbidden":
+                    return self._reply(403, [("Content-Type", "application/xml")], _ACCESS_DENIED)
                 if fault == "stall":
                     time.sleep(proxy.stall_s)
                     return self._reset()

@@ -172,7 +172,7 @@ def _clean_up(accelerator: accelerate.Accelerator, folder: str, files_dir: str) 
 
 def _read_record(folder: str) -> dict[str, Any]:
     state: dict[str, Any] = {RECORD: None}
-    result = bcp.load(folder, state, strict=False)
+    result = bcp.load(folder, state, strict=False, metrics_log=False)  # a step of load_state: no record of its own
     if RECORD not in result.loaded:
         raise MismatchError(f"this bcp checkpoint has no {RECORD!r} record: it was not written by "
                             "Accelerator.save_state; load it with bcp.load", path=folder)

@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     _quiet(edit)
 
     monitor = _command(commands, "report", _report, "where a save's or load's time went, per rank and phase")
-    monitor.add_argument("path", metavar="PATH|LOG", help="checkpoint folder holding bcp-metrics.jsonl, or a log")
+    monitor.add_argument("path", metavar="PATH|LOG", help="checkpoint path or URL (its bcp-metrics/ log), or a log file")
     monitor.add_argument("--role", help="role sub-checkpoint whose log to read (as passed to bcp.save)")
     monitor.add_argument("--index", type=int, default=-1, help="which operation of the log (default: -1, the last)")
     monitor.add_argument("--op", choices=["save", "load"], help="count only saves or only loads")

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from bcp_lightning.io import CheckpointIOMixin
 from bcp_lightning.live_state import FSDP1_SHARDS
-from bcp_lightning.strategies import StrategyMixin
+from bcp_lightning.strategies import StrategyMixin, device_mesh_topology
 
 
 class Bound(NamedTuple):
@@ -43,5 +43,6 @@ def bind(checkpoint_io_base: type, strategies: ModuleType, module: str) -> Bound
                  "no all-gather; ``state_dict_type`` has no effect.", live_state=FSDP1_SHARDS),
         strategy("BCPModelParallelStrategy", strategies.ModelParallelStrategy,
                  "Lightning's ModelParallelStrategy (FSDP2 and tensor parallelism), saving sharded checkpoints "
-                 "through bcp on every rank; ``save_distributed_checkpoint`` has no effect."),
+                 "through bcp on every rank; ``save_distributed_checkpoint`` has no effect.",
+                 checkpoint_topology=device_mesh_topology),
     )

@@ -82,9 +82,10 @@ class CheckpointIOMixin:
     # What bcp_lightning's strategies call on every rank.
 
     def save_on_ranks(self, checkpoint: Mapping[str, Any], path: Any, coordinator: bcp.Coordinator | None = None,
-                      *, storage_options: Any | None = None) -> None:
+                      *, storage_options: Any | None = None, topology: Mapping[str, int] | None = None) -> None:
         """Save Lightning's checkpoint dict; every rank of ``coordinator`` (default: the world) calls
-        it with its own dict, whose state may be sharded (DTensors, FSDP1 shards)."""
+        it with its own dict, whose state may be sharded (DTensors, FSDP1 shards). ``topology``: the
+        rank's parallel coordinates for the metrics record (default: its rank in the group as ``dp``)."""
         location = os.fspath(path)
         opts = options.for_save(self.options.save, storage_options, location)
         coordinator = coordinator or default_coordinator()
@@ -95,17 +96,19 @@ class CheckpointIOMixin:
                 # Other ranks touch the path only after rank 0 has planned the save, so no barrier is needed.
                 paths.prepare_for_save(location)
             handle = bcp.save(location, convert.split(checkpoint), opts, coordinator=coordinator,
-                              topology=opts.topology or {"dp": coordinator.rank})
+                              topology=_topology(opts, topology, coordinator))
         finally:
             pending.returned(handle)
         self._pending.reap()
 
     def load_into(self, path: Any, model_state: dict[str, Any], optimizer_states: list[dict[str, Any]], *,
-                  strict: bool = True, coordinator: bcp.Coordinator | None = None) -> dict[str, Any]:
+                  strict: bool = True, coordinator: bcp.Coordinator | None = None,
+                  topology: Mapping[str, int] | None = None) -> dict[str, Any]:
         """Load into live state dicts on every rank: ``model_state`` and the FQN-keyed
         ``optimizer_states`` (none when not resuming training) are filled in place, resharded into
-        their layout. Returns Lightning's other entries; it keeps index-keyed ``optimizer_states`` when
-        the checkpoint has only those (saved under Lightning's own DDP strategy): the caller decides."""
+        their layout; ``topology`` as for ``save_on_ranks``. Returns Lightning's other entries; it keeps
+        index-keyed ``optimizer_states`` when the checkpoint has only those (saved under Lightning's own
+        DDP strategy): the caller decides."""
         location = self._before_load(path)
         if paths.is_single_file(location):
             raise bcp.CheckpointNotFoundError(
@@ -122,7 +125,7 @@ class CheckpointIOMixin:
                 raise bcp.CheckpointError(
                     "the checkpoint holds no optimizer state (saved with weights_only=True?); training cannot "
                     "resume from it, only evaluate", path=location)
-        self._load(location, state, coordinator, strict=strict, weights_only=None)
+        self._load(location, state, coordinator, strict=strict, weights_only=None, topology=topology)
         convert.write_back(model_state, state[convert.MODEL])
         if convert.OPTIMIZER in state:
             convert.write_back_optimizers(optimizer_states, state[convert.OPTIMIZER])
@@ -144,7 +147,8 @@ class CheckpointIOMixin:
                        weights_only: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Lightning's plain entries and the layout record, read before any tensor."""
         meta: dict[str, Any] = {convert.REST: None, convert.LAYOUT: None}
-        result = self._load(location, meta, coordinator, strict=False, weights_only=weights_only)
+        # A step of the load that follows, not an operation of its own: no metrics record.
+        result = self._load(location, meta, coordinator, strict=False, weights_only=weights_only, recorded=False)
         if result.missing:
             raise bcp.CheckpointError(
                 f"not a Lightning checkpoint saved by bcp_lightning (no {convert.REST!r} component); load it "
@@ -153,8 +157,16 @@ class CheckpointIOMixin:
         return meta[convert.REST], meta[convert.LAYOUT]
 
     def _load(self, location: str, state: dict[str, Any], coordinator: bcp.Coordinator, *, strict: bool,
-              weights_only: bool | None) -> bcp.LoadResult:
+              weights_only: bool | None, topology: Mapping[str, int] | None = None,
+              recorded: bool = True) -> bcp.LoadResult:
         opts = self.options.load
         return bcp.load(location, state, opts, strict=strict, coordinator=coordinator,
-                        topology=opts.topology or {"dp": coordinator.rank},
+                        topology=_topology(opts, topology, coordinator),
+                        metrics_log=opts.metrics_log if recorded else False,
                         allow_pickle=opts.allow_pickle and weights_only is not True)
+
+
+def _topology(opts: "bcp.SaveOptions | bcp.LoadOptions", topology: Mapping[str, int] | None,
+              coordinator: bcp.Coordinator) -> Mapping[str, int]:
+    """The coordinates the user set, else the strategy's, else the rank in the checkpoint's group as DP."""
+    return opts.topology or topology or {"dp": coordinator.rank}

@@ -66,7 +66,8 @@ class StrategyMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Every rank saves its part; the path is rank 0's. ``storage_options`` as for ``BCPCheckpointIO``."""
         path = self.broadcast(os.fspath(filepath))
-        self.checkpoint_io.save_on_ranks(checkpoint, path, storage_options=storage_options)
+        self.checkpoint_io.save_on_ranks(checkpoint, path, storage_options=storage_options,
+                                         topology=self.checkpoint_topology())
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the model, and the optimizers when fitting, in place; return Lightning's other entries."""
@@ -75,7 +76,8 @@ class StrategyMixin:
         optimizers = [_unwrap(o) for o in self.optimizers] if self.lightning_module.trainer.state.fn == "fit" else []
         model_state = self.live_state.model(self.model)
         optimizer_states = [self.live_state.optimizer(self.model, o, for_load=True) for o in optimizers]
-        checkpoint = self.checkpoint_io.load_into(path, model_state, optimizer_states, strict=strict)
+        checkpoint = self.checkpoint_io.load_into(path, model_state, optimizer_states, strict=strict,
+                                                  topology=self.checkpoint_topology())
         self.live_state.load_model(self.model, model_state, strict=strict)
         if optimizers and convert.OPTIMIZER_STATES in checkpoint:
             self._load_index_keyed_optimizer_states(checkpoint, path)
@@ -83,6 +85,11 @@ class StrategyMixin:
             for optimizer, state in zip(optimizers, optimizer_states):
                 self.live_state.load_optimizer(self.model, optimizer, state)
         return checkpoint
+
+    def checkpoint_topology(self) -> dict[str, int] | None:
+        """This rank's parallel coordinates for bcp's metrics records; None: data parallelism only
+        (the rank in the checkpoint's group is its DP coordinate)."""
+        return None
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Nothing to do: ``load_checkpoint`` loaded the model."""
@@ -104,6 +111,16 @@ class StrategyMixin:
                 "BCPDDPStrategy, whose checkpoints reshard into every strategy", path=path)
         for optimizer, state in zip(self.optimizers, checkpoint[convert.OPTIMIZER_STATES]):
             _unwrap(optimizer).load_state_dict(state)
+
+
+#: Short names of the device mesh's dimensions (ModelParallelStrategy names them so).
+_MESH_AXES = {"data_parallel": "dp", "tensor_parallel": "tp"}
+
+
+def device_mesh_topology(strategy: Any) -> dict[str, int]:
+    """The rank's coordinate on each dimension of the strategy's device mesh (``dp``, ``tp``)."""
+    mesh = strategy.device_mesh
+    return {_MESH_AXES.get(name, name): mesh.get_local_rank(name) for name in mesh.mesh_dim_names}
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:

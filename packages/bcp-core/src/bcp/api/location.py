@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 
-from bcp.engine.location import DEFAULT_KEEP_GENERATIONS, Location
+from bcp.engine.location import DEFAULT_KEEP_GENERATIONS, METRICS_DIR, Location
 from bcp.errors import CheckpointError
 from bcp.storage import Storage, storage_for
 
@@ -26,6 +26,7 @@ def resolve(path: "str | os.PathLike | Storage", role: str | None,
     storage = storage_for(path)
     if role is None:
         return Location(storage, "", display, keep_generations)
-    if not isinstance(role, str) or not _ROLE.fullmatch(role) or role.startswith("gen-"):
-        raise CheckpointError(f"invalid role {role!r}: use letters, digits, '_', '-' and '.'", path=display)
+    if not isinstance(role, str) or not _ROLE.fullmatch(role) or role.startswith("gen-") or role == METRICS_DIR:
+        raise CheckpointError(f"invalid role {role!r}: use letters, digits, '_', '-' and '.' (not gen-*, "
+                              f"not {METRICS_DIR})", path=display)
     return Location(storage, f"{role}/", f"{display}/{role}", keep_generations)

@@ -3,7 +3,7 @@
 Each rank's :class:`RankRecord` travels to the coordinating rank on an exchange the operation makes
 anyway (the commit exchange of the writer door; a load's final agreement), so monitoring adds no
 collective. The coordinating rank assembles the :class:`OpRecord`, keeps it on the handle or result,
-logs a one-line summary under the ``bcp`` logger and, when asked, appends it to the metrics log."""
+logs a one-line summary under the ``bcp`` logger and adds it to the metrics log (on by default)."""
 
 from __future__ import annotations
 

@@ -1,32 +1,76 @@
-"""The metrics log: one JSON line per operation, appended whole so that it can be read while the
-job runs. It lies beside the checkpoints (``<path>/bcp-metrics.jsonl``) or in a file the user names.
-Writing it never fails an operation: a log that cannot be written is a warning."""
+"""The metrics log: one JSON line per operation, readable while the job runs.
+
+Beside the checkpoints (the default) it is a folder, ``<path>/bcp-metrics/``, of one object per
+operation, named so that name order is start order: object stores cannot append, and an object of its
+own per operation needs no read-modify-write, so concurrent savers and loaders never lose or
+interleave each other's records. Each object is created whole (create-if-absent), so a reader sees
+complete records only. A local file the user names instead gets one ``O_APPEND`` write per line.
+
+Writing the log never fails an operation. A load that cannot write beside the checkpoint it read (a
+read-only folder, a bucket it may only read) skips the log with a DEBUG message; any other failure to
+write it is a warning."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
+import uuid
 from typing import Any, Iterator, Mapping
 
-from bcp.engine.location import Location
-from bcp.storage import LocalStorage
+from bcp.api.location import resolve
+from bcp.engine.location import METRICS_DIR, Location
+from bcp.errors import CheckpointError
+from bcp.storage import Storage
 
-METRICS_LOG = "bcp-metrics.jsonl"
+_SUFFIX = ".jsonl"
 
 logger = logging.getLogger("bcp")
 
 
 def append_record(location: Location, target: "bool | str | os.PathLike", record: Mapping[str, Any]) -> None:
-    """Append ``record`` as one line to the log ``target`` names (``True``: beside the checkpoints)."""
+    """Add ``record`` to the log ``target`` names (``True``: beside the checkpoints at ``location``)."""
     line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    beside_a_load = target is True and record.get("op") == "load"
     try:
         if target is True:
-            _append_to_storage(location, f"{location.prefix}{METRICS_LOG}", line)
+            with _storage_errors_unlogged() if beside_a_load else contextlib.nullcontext():
+                _put_record(location, record, line)
         else:
             _append_to_file(os.fspath(target), line)
-    except OSError as exc:
-        logger.warning("bcp: could not append to the metrics log of %s: %s", location.display, exc)
+    except (OSError, CheckpointError) as exc:
+        if beside_a_load:
+            logger.debug("bcp: no metrics log for this load of %s (cannot write beside it: %s)",
+                         location.display, exc)
+        else:
+            logger.warning("bcp: could not write the metrics log of %s: %s", location.display, exc)
+
+
+def _put_record(location: Location, record: Mapping[str, Any], line: bytes) -> None:
+    # Microseconds since the epoch, zero-padded: name order is start order (for a century or two).
+    stem = f"{location.prefix}{METRICS_DIR}/{round(record['start'] * 1e6):017d}-{record['op']}"
+    while not location.storage.put_if_absent(f"{stem}-{uuid.uuid4().hex[:8]}{_SUFFIX}", line):
+        pass  # the same microsecond and the same random tag: draw another
+
+
+@contextlib.contextmanager
+def _storage_errors_unlogged() -> Iterator[None]:
+    """The storage layer logs a request that failed for good before raising it. Where a load may only
+    read, its log write failing is expected, not an error: this thread's storage records are dropped
+    meanwhile (other threads', an async save's among them, still pass)."""
+    this_thread = threading.get_ident()
+
+    def other_threads(record: logging.LogRecord) -> bool:
+        return record.thread != this_thread
+
+    storage_logger = logging.getLogger("bcp.storage")
+    storage_logger.addFilter(other_threads)
+    try:
+        yield
+    finally:
+        storage_logger.removeFilter(other_threads)
 
 
 def _append_to_file(path: str, line: bytes) -> None:
@@ -38,23 +82,27 @@ def _append_to_file(path: str, line: bytes) -> None:
         os.close(fd)
 
 
-def _append_to_storage(location: Location, name: str, line: bytes) -> None:
-    storage = location.storage
-    if isinstance(storage, LocalStorage):
-        _append_to_file(os.path.join(storage.root, *name.split("/")), line)
+def read_records(source: "str | os.PathLike | Storage") -> Iterator[dict[str, Any]]:
+    """The records, oldest first, of a metrics log file, or of the log beside the checkpoints at
+    ``source`` (a folder, a URL of any backend, or a storage); a record still being written is
+    skipped. ``FileNotFoundError`` when there is no log."""
+    if not isinstance(source, Storage) and os.path.isfile(source):
+        with open(source, encoding="utf-8") as lines:
+            yield from _parsed(lines)
         return
-    # Object stores cannot append: the log is rewritten whole, which they replace atomically.
-    old = storage.read_bytes(name) if storage.exists(name) else b""
-    storage.write_file(name, [memoryview(old + line)])
+    location = resolve(source, None)
+    names = [n for n in location.storage.list_dir(METRICS_DIR) if n.endswith(_SUFFIX)]
+    if not names:
+        raise FileNotFoundError(2, "no metrics log", f"{location.display}/{METRICS_DIR}")
+    for name in names:
+        try:
+            data = location.storage.read_bytes(f"{METRICS_DIR}/{name}")
+        except FileNotFoundError:
+            continue  # removed since listed (the checkpoint folder was deleted)
+        yield from _parsed(data.decode("utf-8").splitlines(keepends=True))
 
 
-def read_records(path: "str | os.PathLike") -> Iterator[dict[str, Any]]:
-    """The records of a metrics log file, or of the log beside the checkpoints at directory ``path``;
-    a last line still being written is skipped."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, METRICS_LOG)
-    with open(path, encoding="utf-8") as lines:
-        for line in lines:
-            if line.endswith("\n") and line.strip():
-                yield json.loads(line)
+def _parsed(lines: Any) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        if line.endswith("\n") and line.strip():
+            yield json.loads(line)

@@ -36,9 +36,10 @@ class _CommonOptions:
     topology: Mapping[str, int] | None = None
     """This rank's coordinates in the parallel topology (e.g. ``{"dp": 1, "tp": 0, "pp": 2}``), kept
     in the operation's metrics record so that reports lay ranks out by them."""
-    metrics_log: "bool | str | os.PathLike" = False
-    """Append the operation's metrics record (one JSON line) to ``<path>/bcp-metrics.jsonl``
-    (``True``) or to the given local file; the coordinating rank writes it."""
+    metrics_log: "bool | str | os.PathLike" = True
+    """Where the coordinating rank logs the operation's metrics record (one JSON line): beside the
+    checkpoints, under ``<path>/bcp-metrics/`` (``True``, the default), appended to the given local
+    file, or nowhere (``False``)."""
 
     def merged(self: _Options, keywords: Mapping[str, Any]) -> _Options:
         """These options with ``keywords`` replacing fields; an unknown keyword is a TypeError, as

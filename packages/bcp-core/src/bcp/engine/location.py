@@ -27,6 +27,8 @@ MANIFEST = "manifest.json"
 COMMIT_MARKER = "COMMITTED"
 CLAIM = "CLAIM"
 DATA_DIR = "data"
+#: The metrics log's folder beside the generations (bcp.api.metrics_log); never a generation.
+METRICS_DIR = "bcp-metrics"
 DEFAULT_KEEP_GENERATIONS = 2
 # A marker is ~150 bytes; a manifest, columnar, is a few MB at thousands of ranks. What a hostile
 # marker may claim is bounded before anything is read.

@@ -1,6 +1,6 @@
 """Where a save's or load's time went, across ranks: per-phase median / p99 / max, the slowest ranks
 and the straggler (the rank furthest above the median, in the phase where that gap is largest),
-from an operation's metrics record (``bcp.save(..., metrics_log=True)`` or ``handle.metrics``).
+from an operation's metrics record (the metrics log every save and load writes, or ``handle.metrics``).
 ``bcp report`` prints it and draws the heat map, the Gantt chart and the Chrome trace."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 from bcp.api.metrics import OpRecord
 from bcp.api.metrics_log import read_records
 from bcp.errors import CheckpointError
+from bcp.storage import Storage
 from bcp.tools.units import human_bytes
 
 TOTAL = "total"
@@ -82,19 +83,21 @@ class Report:
         return "\n".join(lines)
 
 
-def load_records(source: "str | os.PathLike | OpRecord | Sequence[OpRecord]") -> list[OpRecord]:
-    """Records from a metrics log file, a checkpoint folder holding one, or records in hand."""
+def load_records(source: "str | os.PathLike | Storage | OpRecord | Sequence[OpRecord]") -> list[OpRecord]:
+    """Records from a metrics log file, the log beside the checkpoints at a path or URL, or records
+    in hand."""
     if isinstance(source, OpRecord):
         return [source]
-    if not isinstance(source, (str, os.PathLike)):
+    if not isinstance(source, (str, os.PathLike, Storage)):
         return list(source)
+    where = source.root if isinstance(source, Storage) else os.fspath(source)
     try:
         return [OpRecord.from_json(data) for data in read_records(source)]
     except FileNotFoundError:
-        raise CheckpointError("no metrics log (save with metrics_log=True, or name the log file)",
-                              path=os.fspath(source)) from None
+        raise CheckpointError("no metrics log (nothing was saved or loaded here with metrics_log on; "
+                              "or name the log file)", path=where) from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"not a bcp metrics log: {exc}", path=os.fspath(source)) from None
+        raise CheckpointError(f"not a bcp metrics log: {exc}", path=where) from None
 
 
 def pick(records: Sequence[OpRecord], index: int = -1, op: str | None = None) -> OpRecord:
@@ -146,12 +149,12 @@ def _summary(name: str, by_rank: dict[int, float]) -> PhaseSummary:
                         float(values.max()), slowest)
 
 
-def report(source: "str | os.PathLike | OpRecord | Sequence[OpRecord]", *, index: int = -1, op: str | None = None,
-           phase: str | None = None, heatmap: "str | os.PathLike | None" = None,
+def report(source: "str | os.PathLike | Storage | OpRecord | Sequence[OpRecord]", *, index: int = -1,
+           op: str | None = None, phase: str | None = None, heatmap: "str | os.PathLike | None" = None,
            trace: "str | os.PathLike | None" = None, gantt: "str | os.PathLike | None" = None,
            ranks: Sequence[int] | None = None) -> Report:
-    """Summarize one operation of a metrics log (``source``: the log, the checkpoint folder beside
-    which it lies, or records); with ``heatmap``/``gantt`` draw those PNGs (matplotlib), with
+    """Summarize one operation of a metrics log (``source``: a log file, the checkpoint path or URL
+    beside which the log lies, or records); with ``heatmap``/``gantt`` draw those PNGs (matplotlib), with
     ``trace`` write the Chrome trace / Perfetto JSON. ``phase`` colours the heat map and ranks the
     slowest ranks (default: the straggler's phase; ``"total"`` for every phase); ``ranks`` limits
     the Gantt chart."""
