@@ -62,7 +62,7 @@ def cases(config: dict) -> dict:
     import obstore
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     import bcp
     from bcp.storage import S3Storage
