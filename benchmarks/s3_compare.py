@@ -96,15 +96,17 @@ def cases(config: dict) -> dict:
         "endpoint": env["AWS_ENDPOINT_URL"], "region": env["AWS_REGION"], "access_key_id": env["AWS_ACCESS_KEY_ID"],
         "secret_access_key": env["AWS_SECRET_ACCESS_KEY"]}, client_options={"allow_http": True})
     fresh: list[str] = []
+    done: list[str] = []
 
-    def new_prefix() -> str:
-        fresh.append(uuid.uuid4().hex[:8])
+    def new_prefix() -> str:  # the same on every rank: the n-th checkpoint of the run
+        fresh.append(f"c{len(fresh) + len(done)}")
         return fresh[-1]
 
     def clean() -> None:  # keep the server's disk small: only the newest of each kind stays
         for prefix in fresh[:-1]:
             if rank == 0:
                 S3Storage(f"{base}/{prefix}").delete_tree("")
+        done.extend(fresh[:-1])
         del fresh[:-1]
 
     results: dict[str, list[float]] = {}
