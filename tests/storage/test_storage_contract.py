@@ -1,7 +1,14 @@
-"""The contract every storage backend keeps, run unchanged on local, memory and S3 (a real SeaweedFS)."""
+"""The contract every storage backend keeps, run unchanged on local, memory, S3 (a real SeaweedFS),
+fsspec and HDFS.
+
+HDFS runs through ``HdfsStorage`` over pyarrow's ``LocalFileSystem`` (no Hadoop here): the same code
+as on a cluster, with ``rename(2)`` where the namenode renames. Its exclusive create holds on both,
+for different reasons (see ``bcp.storage.hdfs``), so the concurrent-commit case runs here too; only a
+live cluster (``BCP_TEST_HDFS_URL=hdfs://namenode:port/some/dir``) proves the namenode's side."""
 
 from __future__ import annotations
 
+import os
 import threading
 import uuid
 
@@ -9,9 +16,12 @@ import numpy as np
 import pytest
 from bcp.storage import LocalStorage, MemoryStorage, S3Storage, Storage, storage_for
 from bcp.storage.fsspec_storage import FsspecStorage
+from bcp.storage.hdfs import HdfsStorage
 
 # "fsspec" is the fallback for schemes without a backend of their own, here over fsspec's local files
-BACKENDS = ["local", "memory", "s3", "fsspec"]
+BACKENDS = ["local", "memory", "s3", "fsspec", "hdfs-on-local-fs",
+            pytest.param("hdfs-live", marks=pytest.mark.skipif(not os.environ.get("BCP_TEST_HDFS_URL"),
+                                                                reason="BCP_TEST_HDFS_URL names no live HDFS"))]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -20,6 +30,14 @@ def storage(request, tmp_path) -> Storage:
         return LocalStorage(tmp_path / "root")
     if request.param == "memory":
         return MemoryStorage(f"memory://contract-{uuid.uuid4().hex[:8]}/root")
+    if request.param == "hdfs-on-local-fs":
+        from pyarrow.fs import LocalFileSystem
+
+        return HdfsStorage(f"hdfs://stand-in{tmp_path}/root", filesystem=LocalFileSystem())
+    if request.param == "hdfs-live":
+        storage = storage_for(f"{os.environ['BCP_TEST_HDFS_URL'].rstrip('/')}/contract-{uuid.uuid4().hex[:8]}")
+        assert isinstance(storage.inner, HdfsStorage)
+        return storage
     if request.param == "fsspec":
         storage = storage_for(f"local://{tmp_path}/root")
         assert isinstance(storage.inner, FsspecStorage)  # reached through the registry's fallback

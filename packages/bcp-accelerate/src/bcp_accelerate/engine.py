@@ -12,7 +12,6 @@ layout and number of processes the accelerator has now, then lets accelerate loa
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +23,7 @@ from accelerate.utils import DistributedType
 import bcp
 from bcp import AdapterError, CheckpointNotCommittedError, MismatchError
 from bcp.integration import refusing_pickled_code
-from bcp_accelerate import components, folders, framework_files, hooks
+from bcp_accelerate import components, folders, framework_files, hooks, places
 from bcp_accelerate.consensus import on_all_ranks
 from bcp_accelerate_autoload import ENGINE_VARIABLE
 
@@ -47,17 +46,17 @@ def check_supported(distributed_type: DistributedType) -> None:
 
 
 def save_state(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLike | None" = None,
-               safe_serialization: bool = True, **save_model_func_kwargs: Any) -> Path:
+               safe_serialization: bool = True, **save_model_func_kwargs: Any) -> "Path | str":
     """``Accelerator.save_state`` through bcp. ``safe_serialization`` applies to accelerate's own
     files (bcp never pickles models or optimizers); ``save_model_func_kwargs`` are DeepSpeed's and
-    unused, as in accelerate with any other engine."""
+    unused, as in accelerate with any other engine. Returns the folder: a ``Path``, or the URL as given."""
     check_supported(accelerator.distributed_type)
     folder = on_all_ranks(lambda: folders.new_folder(accelerator, output_dir), "choosing the checkpoint folder")
-    os.makedirs(folder, exist_ok=True)
+    places.make(folder)
     saved_models, files_dir = on_all_ranks(
         lambda: [hooks.models_to_save(accelerator, folder), folders.FILES_DIR_PREFIX + uuid.uuid4().hex[:12]],
         "running the save_state pre-hooks")
-    on_all_ranks(lambda: _save_accelerate_files(accelerator, os.path.join(folder, files_dir), safe_serialization),
+    on_all_ranks(lambda: _save_accelerate_files(accelerator, places.join(folder, files_dir), safe_serialization),
                  f"writing accelerate's files to {folder}")
 
     models, optimizers = accelerator._models, accelerator._optimizers
@@ -77,7 +76,7 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLi
     # Every rank waits for the clean-up so that none looks at folders being deleted.
     on_all_ranks(lambda: _clean_up(accelerator, folder, files_dir), f"removing what {folder} replaced")
     accelerator.project_configuration.iteration += 1
-    return Path(folder)
+    return folder if places.is_url(folder) else Path(folder)
 
 
 def load_state(accelerator: accelerate.Accelerator, input_dir: "str | os.PathLike | None" = None,
@@ -135,11 +134,11 @@ def _load_through_bcp(accelerator: accelerate.Accelerator, folder: str, load_kwa
 
 
 def _save_accelerate_files(accelerator: accelerate.Accelerator, files_dir: str, safe_serialization: bool) -> None:
-    os.makedirs(files_dir, exist_ok=True)
     on_each_node = accelerator.project_configuration.save_on_each_node
-    save_accelerator_state(files_dir, [], [], accelerator._schedulers, accelerator._dataloaders,
-                           accelerator.process_index, accelerator.step, accelerator.scaler,
-                           save_on_each_node=on_each_node, safe_serialization=safe_serialization)
+    with places.files_to_write(files_dir) as local:
+        save_accelerator_state(local, [], [], accelerator._schedulers, accelerator._dataloaders,
+                               accelerator.process_index, accelerator.step, accelerator.scaler,
+                               save_on_each_node=on_each_node, safe_serialization=safe_serialization)
 
 
 def _custom_components(accelerator: accelerate.Accelerator) -> dict[str, Any]:
@@ -150,13 +149,13 @@ def _custom_components(accelerator: accelerate.Accelerator) -> dict[str, Any]:
 
 def _load_accelerate_files(accelerator: accelerate.Accelerator, folder: str, files: str, load_kwargs: dict | None,
                            custom_in_bcp: bool) -> None:
-    files_dir = os.path.join(folder, files)
-    with refusing_pickled_code(folder, files):
-        load_accelerator_state(files_dir, [], [], accelerator._schedulers, accelerator._dataloaders,
-                               accelerator.process_index, accelerator.scaler, None, load_kwargs)
-    if not custom_in_bcp:  # a checkpoint from before the objects went into bcp: their .pkl files
-        for index, obj in enumerate(accelerator._custom_objects):
-            framework_files.load_custom_state(obj, files_dir, index)
+    with places.files_to_read(places.join(folder, files)) as files_dir:
+        with refusing_pickled_code(folder, files):
+            load_accelerator_state(files_dir, [], [], accelerator._schedulers, accelerator._dataloaders,
+                                   accelerator.process_index, accelerator.scaler, None, load_kwargs)
+        if not custom_in_bcp:  # a checkpoint from before the objects went into bcp: their .pkl files
+            for index, obj in enumerate(accelerator._custom_objects):
+                framework_files.load_custom_state(obj, files_dir, index)
 
 
 def _clean_up(accelerator: accelerate.Accelerator, folder: str, files_dir: str) -> None:
@@ -164,9 +163,9 @@ def _clean_up(accelerator: accelerate.Accelerator, folder: str, files_dir: str) 
     by the committed checkpoint), and checkpoints beyond ``total_limit``."""
     if not accelerator.is_main_process:
         return
-    for name in os.listdir(folder):
+    for name in places.names(folder):
         if name.startswith(folders.FILES_DIR_PREFIX) and name != files_dir:
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+            places.remove(places.join(folder, name))
     folders.prune(accelerator, folder)
 
 

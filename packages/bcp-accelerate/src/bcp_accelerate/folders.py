@@ -13,13 +13,13 @@ from __future__ import annotations
 import enum
 import os
 import re
-import shutil
 
 import accelerate
 from accelerate.utils.constants import RNG_STATE_NAME
 
 from bcp import CheckpointNotCommittedError
 from bcp.integration import checkpoint_location
+from bcp_accelerate import places
 
 AUTOMATIC_DIR = "checkpoints"
 #: Per save, accelerate's own files (schedulers, samplers, RNG, scaler, custom objects) go to a
@@ -42,7 +42,7 @@ def contents(folder: str) -> Contents:
     generations = location.generations()
     if any(location.is_committed(g) for g in generations):
         return Contents.COMMITTED
-    names = os.listdir(folder)
+    names = places.names(folder)
     started_by_bcp = generations or any(name.startswith(FILES_DIR_PREFIX) for name in names)
     # Accelerate's engine writes the RNG states of every save, near the end.
     if not started_by_bcp and any(name.startswith(RNG_STATE_NAME) for name in names):
@@ -51,15 +51,13 @@ def contents(folder: str) -> Contents:
 
 
 def automatic_root(accelerator: accelerate.Accelerator) -> str:
-    return os.path.join(accelerator.project_dir, AUTOMATIC_DIR)
+    return places.join(accelerator.project_dir, AUTOMATIC_DIR)
 
 
 def numbered(root: str) -> list[tuple[int, str]]:
     """``(n, path)`` of every ``checkpoint_<n>`` folder under ``root``, oldest first."""
-    if not os.path.isdir(root):
-        return []
-    found = ((_NUMBERED.match(name), os.path.join(root, name)) for name in os.listdir(root))
-    return sorted((int(match.group(1)), path) for match, path in found if match and os.path.isdir(path))
+    found = ((_NUMBERED.match(name), places.join(root, name)) for name in places.names(root))
+    return sorted((int(match.group(1)), path) for match, path in found if match and places.is_folder(path))
 
 
 def new_folder(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLike | None") -> str:
@@ -71,8 +69,8 @@ def new_folder(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLi
         if output_dir is None:
             raise ValueError("save_state() needs an output_dir when automatic checkpoint naming is disabled")
         return os.fspath(output_dir)
-    folder = os.path.join(automatic_root(accelerator), f"checkpoint_{config.iteration}")
-    if os.path.exists(folder) and contents(folder) is not Contents.INCOMPLETE:
+    folder = places.join(automatic_root(accelerator), f"checkpoint_{config.iteration}")
+    if places.exists(folder) and contents(folder) is not Contents.INCOMPLETE:
         raise ValueError(f"checkpoint folder {folder} already holds a checkpoint; set "
                          "accelerator.project_configuration.iteration to the number to continue from")
     return folder
@@ -81,8 +79,9 @@ def new_folder(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLi
 def folder_to_load(accelerator: accelerate.Accelerator, input_dir: "str | os.PathLike | None") -> str:
     """``input_dir`` if given, else the newest automatically named folder holding a whole checkpoint."""
     if input_dir is not None:
-        folder = os.path.expanduser(os.fspath(input_dir))
-        if not os.path.isdir(folder):
+        folder = os.fspath(input_dir)
+        folder = folder if places.is_url(folder) else os.path.expanduser(folder)
+        if not places.is_folder(folder):
             raise ValueError(f"load_state(): no such checkpoint folder {folder}")
         return folder
     if not accelerator.project_configuration.automatic_checkpoint_naming:
@@ -93,7 +92,7 @@ def folder_to_load(accelerator: accelerate.Accelerator, input_dir: "str | os.Pat
     if not complete:
         raise CheckpointNotCommittedError(
             f"no checkpoint to resume from under {root}: "
-            + (f"{', '.join(os.path.basename(p) for _, p in found)} hold no complete checkpoint" if found
+            + (f"{', '.join(places.basename(p) for _, p in found)} hold no complete checkpoint" if found
                else "no checkpoint_<n> folder"))
     return complete[-1]
 
@@ -117,4 +116,4 @@ def prune(accelerator: accelerate.Accelerator, saved: str) -> None:
     complete = [path for path in others if path not in incomplete]
     surplus = max(len(complete) - max(config.total_limit - 1, 0), 0)
     for path in incomplete + complete[:surplus]:
-        shutil.rmtree(path, ignore_errors=True)
+        places.remove(path)

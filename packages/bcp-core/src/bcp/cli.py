@@ -234,6 +234,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _detect(src: str) -> str:
+    if "://" in src:  # DCP folders and safetensors files are read from local paths only
+        return "bcp"
     if os.path.isfile(os.path.join(src, ".metadata")):
         return "dcp"
     if os.path.isdir(src) and any(n.startswith("gen-") for n in os.listdir(src)):

@@ -34,7 +34,7 @@ from bcp.layout.box import Box
 from bcp.layout.dtypes import dtype_from_name
 from bcp.tools.build import PieceSource, ValueSource, write_checkpoint
 from bcp.tools.checkpoint import Checkpoint, open_checkpoint
-from bcp.tools.paths import check_new_output
+from bcp.tools.paths import check_new_local_output
 from bcp.tools.progress import NoProgress, Progress
 from bcp.tools.rules import CastRules, NameRules
 
@@ -96,7 +96,7 @@ def convert_bcp_to_dcp(src: "str | os.PathLike", out: "str | os.PathLike", *, ro
     from torch.distributed.checkpoint import FileSystemWriter, save
 
     checkpoint = open_checkpoint(src, role=role)
-    target = check_new_output(out, [checkpoint.location.storage.root])
+    target = check_new_local_output(out, [checkpoint.location.storage.root], what="DCP checkpoints")
     state: dict[str, Any] = {}
     placeholders: dict[int, str] = {}
     for name, entry in checkpoint.tensors.items():

@@ -23,7 +23,7 @@ from bcp.layout.dtypes import dtype_from_name, itemsize
 from bcp.layout.manifest import TensorEntry
 from bcp.tools.checkpoint import Checkpoint, open_checkpoint
 from bcp.tools.hf_ties import config_file, tied_groups
-from bcp.tools.paths import check_new_output
+from bcp.tools.paths import check_new_local_output
 from bcp.tools.progress import NoProgress, Progress
 from bcp.tools.rules import CastRules, NameRules
 from bcp.tools.safetensors_format import encode_header
@@ -71,7 +71,8 @@ def export_safetensors(path: "str | os.PathLike", out: "str | os.PathLike", *, c
     already in ``out``; other files there (a tokenizer, say) are kept.
     """
     checkpoint = open_checkpoint(path, role=role)
-    target = check_new_output(out, [checkpoint.location.storage.root], may_exist=True)
+    target = check_new_local_output(out, [checkpoint.location.storage.root], what="safetensors exports",
+                                    may_exist=True)
     limit = parse_size(max_shard_size)
     tensors, skipped = _select(checkpoint, component, rules, casts)
     tied = {} if keep_tied or config is None else _tied(checkpoint, tensors, config)

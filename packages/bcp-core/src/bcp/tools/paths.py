@@ -1,4 +1,9 @@
-"""Where the tools write: always a new place, never the source (a tool never modifies its input)."""
+"""Where the tools write: always a new place, never the source (a tool never modifies its input).
+
+A bcp checkpoint the tools write (``edit``, ``convert --from``) may go to any storage URL, as its
+source may come from one. Files in other formats (safetensors exports, DCP folders) are written with
+local file functions, so those outputs must be local folders.
+"""
 
 from __future__ import annotations
 
@@ -6,35 +11,50 @@ import os
 from typing import Sequence
 
 from bcp.errors import CheckpointError
-from bcp.storage import LocalStorage, storage_for
+from bcp.storage import LocalStorage, Storage, storage_for
 
 
-def local_dir(path: "str | os.PathLike") -> str:
-    """The absolute local directory a path (or ``file://`` URL) names."""
+def _storage(path: "str | os.PathLike") -> Storage:
     try:
-        storage = storage_for(path)
+        return storage_for(path)
     except ValueError as exc:
-        raise CheckpointError(f"{exc}; the tools read and write local paths") from None
-    if not isinstance(storage, LocalStorage):
-        raise CheckpointError(f"the tools read and write local paths, got {os.fspath(path)!r}")
-    return os.path.realpath(storage.root)
+        raise CheckpointError(str(exc)) from None
+
+
+def _place(path: "str | os.PathLike") -> str:
+    """What a path or URL names, comparable with another's: a real local path, or the URL itself."""
+    storage = _storage(path)
+    if isinstance(storage, LocalStorage):
+        return os.path.realpath(storage.root)
+    return os.fspath(path).rstrip("/")
 
 
 def check_new_output(out: "str | os.PathLike", sources: Sequence["str | os.PathLike"], *,
                      may_exist: bool = False) -> str:
-    """The output directory, refused when it overlaps a source or (unless ``may_exist``) is not
-    empty, so that no run can clobber data it did not create."""
-    target = local_dir(out)
+    """The output (a real local path, or the URL as given), refused when it overlaps a source or
+    (unless ``may_exist``) is not empty, so that no run can clobber data it did not create."""
+    target = _place(out)
     for source in sources:
-        origin = local_dir(source)
+        origin = _place(source)
         if _inside(target, origin) or _inside(origin, target):
             raise CheckpointError(f"the output {target!r} overlaps the source {origin!r}; write to another folder")
-    if os.path.exists(target) and not os.path.isdir(target):
+    storage = _storage(out)
+    if isinstance(storage, LocalStorage) and os.path.exists(target) and not os.path.isdir(target):
         raise CheckpointError(f"the output {target!r} exists and is not a folder")
-    if not may_exist and os.path.isdir(target) and os.listdir(target):
+    if not may_exist and storage.list_dir(""):
         raise CheckpointError(f"the output folder {target!r} is not empty; choose a new or empty folder")
     return target
 
 
+def check_new_local_output(out: "str | os.PathLike", sources: Sequence["str | os.PathLike"], *,
+                           what: str, may_exist: bool = False) -> str:
+    """As :func:`check_new_output`, for outputs written as local files (``what`` says which)."""
+    if not isinstance(_storage(out), LocalStorage):
+        raise CheckpointError(f"{what} are written to a local folder, got {os.fspath(out)!r}; "
+                              "write them locally, then copy the folder to its storage")
+    return check_new_output(out, sources, may_exist=may_exist)
+
+
 def _inside(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+    separator = "/" if "://" in folder else os.sep
+    return path == folder or path.startswith(folder.rstrip(separator) + separator)

@@ -1,0 +1,203 @@
+"""bcp on S3 next to DCP over fsspec (s3fs) and the client's own raw transfer, on one local SeaweedFS.
+
+    .venv/bin/python benchmarks/s3_compare.py                 # ~1 GB of GPT-like fp32 state, 3 reps
+    .venv/bin/python benchmarks/s3_compare.py --size-mb 128 --reps 2
+
+For 1 and 2 processes (gloo, the state cut on dim 0 as DTensors when 2): the raw floor (obstore's
+parallel multipart upload of each process's bytes as one object, and parallel 16 MiB ranged GETs
+back: the settings bcp's S3 backend uses), bcp save/load (same layout; with 2 processes also a load
+resharded to dim 1) and DCP through ``FsspecWriter``/``FsspecReader`` (default, and the writer with
+``thread_count`` = bcp's threads). The server is ``tests/s3_test_server.py``'s, started here and
+killed at the end. Prints a markdown table of medians (seconds) and ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the test suite's SeaweedFS launcher
+
+import torch  # noqa: E402
+
+from bcpbench.launch import launch  # noqa: E402
+from bcpbench.state import gpt_shapes, local_piece, local_shape, random_tensor, shard_dim, shapes_nbytes  # noqa: E402
+
+SEED = 5
+PART = 16 << 20
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _timed(work: Callable[[], Any], reps: int, before: Callable[[], Any] = lambda: None) -> list[float]:
+    """Wall seconds of ``work`` on the whole job (from a barrier to a barrier), ``reps`` times."""
+    times = []
+    for _ in range(reps):
+        before()
+        _barrier()
+        start = time.perf_counter()
+        work()
+        _barrier()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def cases(config: dict) -> dict:
+    """Every case on this process's share of the state; rank 0's timings come back."""
+    os.environ.update(config["env"])
+    torch.set_num_threads(1)
+    import obstore
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+    import bcp
+    from bcp.storage import S3Storage
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    shapes = gpt_shapes(config["size_bytes"])
+    mesh = None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+
+    def layout(dim: int, fill: Callable[[str], torch.Tensor]) -> dict[str, Any]:
+        if mesh is None:
+            return {n: fill(n) for n in shapes}
+        from torch.distributed.tensor import DTensor, Shard
+
+        return {n: DTensor.from_local(fill(n), mesh, [Shard(shard_dim(s, dim))], run_check=False, shape=s,
+                                      stride=torch.empty(s, device="meta").stride()) for n, s in shapes.items()}
+
+    def piece(name: str, dim: int) -> torch.Tensor:
+        return local_piece(random_tensor(shapes, name, SEED), dim, rank, world).clone()
+
+    state = layout(0, lambda n: piece(n, 0))
+    locals_ = [t.to_local() if mesh is not None else t for t in state.values()]
+    nbytes = sum(t.numel() * 4 for t in locals_)
+    base = f"s3://{config['bucket']}/bench-{config['run']}-w{world}"
+    env = config["env"]
+    bucket_store = obstore.store.S3Store(config["bucket"], config={
+        "endpoint": env["AWS_ENDPOINT_URL"], "region": env["AWS_REGION"], "access_key_id": env["AWS_ACCESS_KEY_ID"],
+        "secret_access_key": env["AWS_SECRET_ACCESS_KEY"]}, client_options={"allow_http": True})
+    fresh: list[str] = []
+    done: list[str] = []
+
+    def new_prefix() -> str:  # the same on every rank: the n-th checkpoint of the run
+        fresh.append(f"c{len(fresh) + len(done)}")
+        return fresh[-1]
+
+    def clean() -> None:  # keep the server's disk small: only the newest of each kind stays
+        for prefix in fresh[:-1]:
+            if rank == 0:
+                S3Storage(f"{base}/{prefix}").delete_tree("")
+        done.extend(fresh[:-1])
+        del fresh[:-1]
+
+    results: dict[str, list[float]] = {}
+    reps = config["reps"]
+    threads = config["io_threads"]
+
+    # Raw floor: this process's bytes as one object, uploaded in parallel parts and read back by ranges.
+    views = [memoryview(t.numpy()).cast("B") for t in locals_]
+    raw_key = lambda: f"bench-{config['run']}-w{world}/{fresh[-1]}/raw-{rank}"  # noqa: E731
+    results["raw save"] = _timed(lambda: obstore.put(bucket_store, raw_key(), iter(views), chunk_size=PART,
+                                                     max_concurrency=8), reps, lambda: (clean(), new_prefix()))
+    starts = list(range(0, nbytes, PART))
+    results["raw load"] = _timed(lambda: obstore.get_ranges(bucket_store, raw_key(), starts=starts,
+                                                            ends=[min(s + PART, nbytes) for s in starts]), reps)
+
+    def zeros(dim: int) -> dict[str, Any]:
+        return layout(dim, lambda n: torch.zeros(local_shape(shapes[n], dim, world)))
+
+    def check(loaded: dict[str, Any], dim: int) -> None:
+        for n, t in loaded.items():
+            local = t.to_local() if mesh is not None else t
+            assert torch.equal(local, piece(n, dim)), n
+
+    def bcp_save() -> None:
+        bcp.save(S3Storage(f"{base}/{fresh[-1]}"), {"model": state}, bcp.SaveOptions(io_threads=threads))
+
+    results["bcp save"] = _timed(bcp_save, reps, lambda: (clean(), new_prefix()))
+    dims = [0] if world == 1 else [0, 1]
+    for dim in dims:
+        targets: dict[str, Any] = {}
+
+        def bcp_load() -> None:
+            bcp.load(S3Storage(f"{base}/{fresh[-1]}"), {"model": targets}, bcp.LoadOptions(io_threads=threads))
+
+        results[f"bcp load{' resharded' if dim else ''}"] = _timed(
+            bcp_load, reps, lambda: targets.update(zeros(dim)))
+        check(targets, dim)
+
+    for name, writer in (("DCP save", {}), (f"DCP save, thread_count={threads}", {"thread_count": threads})):
+        results[name] = _timed(lambda: dcp.save(state, storage_writer=FsspecWriter(
+            f"{base}/{fresh[-1]}", sync_files=False, **writer)), reps, lambda: (clean(), new_prefix()))
+    for dim in dims:
+        targets = {}
+        results[f"DCP load{' resharded' if dim else ''}"] = _timed(
+            lambda: dcp.load(targets, storage_reader=FsspecReader(f"{base}/{fresh[-1]}")), reps,
+            lambda: targets.update(zeros(dim)))
+        check(targets, dim)
+    fresh.append("")
+    clean()
+    return {"nbytes": nbytes * world, "times": results}
+
+
+def table(world: int, result: dict) -> str:
+    med = {k: statistics.median(v) for k, v in result["times"].items()}
+    gb = result["nbytes"] / 1e9
+    rows = [f"### {world} process{'es' if world > 1 else ''}, {result['nbytes'] / 1e6:.0f} MB", "",
+            "| case | median s | GB/s | vs raw floor | bcp vs this |", "| --- | --- | --- | --- | --- |"]
+    for name, seconds in med.items():
+        floor = med["raw save"] if "save" in name else med["raw load"]
+        mine = med["bcp save"] if "save" in name else med["bcp load resharded" if "resharded" in name else "bcp load"]
+        rows.append(f"| {name} | {seconds:.2f} | {gb / seconds:.2f} | {floor / seconds:.2f}x | "
+                    f"{'' if name.startswith('bcp') or name.startswith('raw') else f'{seconds / mine:.2f}x'} |")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=float, default=1024)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--io-threads", type=int, default=4)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--json", help="where to write the raw timings")
+    args = parser.parse_args()
+    import s3_test_server as seaweedfs
+
+    with tempfile.TemporaryDirectory(prefix="bcp-s3-bench-") as directory:
+        server = seaweedfs.start(directory)
+        try:
+            config = {"size_bytes": int(args.size_mb * (1 << 20)), "reps": args.reps, "io_threads": args.io_threads,
+                      "env": server.env(), "bucket": seaweedfs.BUCKET, "run": uuid.uuid4().hex[:6]}
+            results = {w: launch(cases, w, config, timeout_s=3000) for w in args.worlds}
+        finally:
+            seaweedfs.stop(server)
+    print(f"state {shapes_nbytes(gpt_shapes(config['size_bytes'])) / 1e6:.0f} MB, {args.reps} reps, "
+          f"io_threads {args.io_threads}\n")
+    for world, result in results.items():
+        print(table(world, result) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({str(w): r for w, r in results.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

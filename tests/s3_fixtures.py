@@ -1,0 +1,31 @@
+"""The S3 fixtures every test folder can use (``conftest.py`` imports them): one real SeaweedFS S3
+server per session, started on first use (``s3_test_server``) and killed at the end."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import s3_test_server as seaweedfs
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One real SeaweedFS S3 server for the session's tests."""
+    server = seaweedfs.start(str(tmp_path_factory.mktemp("seaweedfs")))
+    yield server
+    seaweedfs.stop(server)
+
+
+@pytest.fixture
+def s3_url(s3_server):
+    """A fresh, empty ``s3://`` prefix in the test bucket."""
+    return f"s3://{seaweedfs.BUCKET}/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The standard AWS variables pointing at the test server, so plain ``s3://`` URLs reach it."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return s3_server.env()
