@@ -100,6 +100,10 @@ class DataloaderState:
         self.loader, self.dp_rank, self.dp_size, self.writer = loader, dp_rank, dp_size, writer
         self._kind = _SHARDED if sharded else _PER_RANK
 
+    def declaration(self) -> list[int]:
+        """What this rank says of itself for the save's writer check: ``[dp_rank, dp_size, writer]``."""
+        return [self.dp_rank, self.dp_size, int(self.writer)]
+
     def saved_values(self) -> dict[str, Any]:
         """The values this rank writes, by name under ``dataloader/`` (none unless it is a writer)."""
         if not self.writer:
@@ -157,6 +161,28 @@ class DataloaderState:
             self.loader.load_dataloader_state(replicated["state"], [state for _, state in parts])
         else:
             self.loader.load_state_dict(parts[0][1])
+
+
+def check_writers(declarations: list[list[int] | None]) -> None:
+    """Every rank's :meth:`DataloaderState.declaration` (None: the rank passed no dataloader state):
+    the ranks must agree on the DP size, and each DP index must have exactly one writer, else its
+    parts would be missing or written twice. Raised before anything of the checkpoint is written."""
+    declared = [d for d in declarations if d is not None]
+    if not declared:
+        return
+    sizes = sorted({dp_size for _, dp_size, _ in declared})
+    if len(sizes) > 1:
+        raise CheckpointError(f"the ranks' dataloader states disagree on the DP size: {sizes}", key=COMPONENT)
+    writers: dict[int, list[int]] = {dp: [] for dp in range(sizes[0])}
+    for rank, declaration in enumerate(declarations):
+        if declaration is not None and declaration[2]:
+            writers[declaration[0]].append(rank)
+    for dp, ranks in writers.items():
+        if len(ranks) != 1:
+            what = "no rank is" if not ranks else f"ranks {ranks} are all"
+            raise CheckpointError(f"DP index {dp} of {sizes[0]}: {what} declared the writer of its dataloader parts "
+                                  "(exactly one rank per DP group passes writer=True, the TP/PP rank 0 of the group)",
+                                  key=COMPONENT)
 
 
 def _complete_parts(names: list[str], path: str | None) -> list[PartKey]:
