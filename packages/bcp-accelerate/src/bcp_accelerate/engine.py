@@ -3,7 +3,8 @@
 A save writes accelerate's own files (schedulers, samplers, RNG states, the gradient scaler) with
 accelerate's own functions into a fresh sub-folder, then saves models, optimizers, the objects
 registered for checkpointing (in bcp's safe encoding, where accelerate would pickle them), the
-stateful dataloaders' state (bcp's ``dataloader`` component, one part per process) and a record of the accelerator through ``bcp.save``, whose commit is the last
+stateful dataloaders' state (bcp's ``dataloader`` component, one part per process) and a record
+of the accelerator through ``bcp.save``, whose commit is the last
 write: from then on the folder is a whole checkpoint, before it none.
 Pruning to ``total_limit`` runs after the commit. A load reshards models and optimizers into the
 layout and number of processes the accelerator has now, then lets accelerate load the rest.

@@ -109,7 +109,8 @@ class Checkpoint:
         ``io_threads`` threads: a rank's dataloader parts (token buffers of many MB each) arrive
         side by side, not one after another (the paper's dataloader stragglers, section 6.4)."""
         if len(sources) <= 1 or self.io_threads <= 1:
-            return {name: self.read_object(name, rank=rank, allow_pickle=allow_pickle) for name, rank in sources.items()}
+            return {name: self.read_object(name, rank=rank, allow_pickle=allow_pickle)
+                    for name, rank in sources.items()}
         with ThreadPoolExecutor(min(self.io_threads, len(sources)), thread_name_prefix="bcp-values") as pool:
             futures = {name: pool.submit(self.read_object, name, rank=rank, allow_pickle=allow_pickle)
                        for name, rank in sources.items()}
