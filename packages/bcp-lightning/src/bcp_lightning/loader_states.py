@@ -4,9 +4,9 @@ Lightning's fit loop puts the ``state_dict()`` of every stateful train dataloade
 ``StatefulDataLoader``, or any loader with ``state_dict``/``load_state_dict``) into its checkpoint
 at ``loops.fit_loop.state_dict.combined_loader``, and gives them back to the loaders when a fit
 resumes. bcp_lightning takes that list out of Lightning's other entries and saves it through
-``bcp.DataloaderState``, as the part of the saving rank's DP index (every rank under
-bcp_lightning's strategies; rank 0 alone through the plugin, whose part every rank then reads, as
-Lightning does). Resuming on the same DP size gives each rank its own loaders' states; on another,
+``bcp.DataloaderState``, each saving rank as its own DP index, since the loop's state is per rank
+(every rank under bcp_lightning's strategies, also under tensor parallelism; rank 0 alone through
+the plugin, whose part every rank then reads, as Lightning does). Resuming on the same DP size gives each rank its own loaders' states; on another,
 the load fails with a clear error instead of handing one rank's position to all.
 """
 
