@@ -7,6 +7,7 @@ import torch
 from pyarrow.fs import LocalFileSystem
 
 import bcp
+from bcp.engine.location import METRICS_DIR
 from bcp.storage import HdfsStorage, registered_schemes
 from bcp.storage.hdfs import PAYLOAD
 from models import assert_bitwise
@@ -22,5 +23,6 @@ def test_save_and_load_through_the_hdfs_backend(tmp_path):
     bcp.load(storage, loaded)
     assert_bitwise(second["model"], loaded["model"])
     assert (tmp_path / "run" / "gen-00000002" / "COMMITTED" / PAYLOAD).is_file()
-    assert storage.list_dir("") == ["gen-00000001", "gen-00000002"]
+    assert storage.list_dir("") == [METRICS_DIR, "gen-00000001", "gen-00000002"]
+    assert len(storage.list_dir(METRICS_DIR)) == 3  # two saves and a load, one object each (no append)
     assert "hdfs" in registered_schemes()  # hdfs:// URLs open HdfsStorage on pyarrow's HadoopFileSystem

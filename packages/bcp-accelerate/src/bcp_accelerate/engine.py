@@ -1,9 +1,10 @@
 """``save_state``/``load_state`` with every prepared model and optimizer going through bcp.
 
-A save writes accelerate's own files (schedulers, samplers and dataloader state, RNG states, the
-gradient scaler) with accelerate's own functions into a fresh sub-folder, then saves models,
-optimizers, the objects registered for checkpointing (in bcp's safe encoding, where accelerate
-would pickle them) and a record of the accelerator through ``bcp.save``, whose commit is the last
+A save writes accelerate's own files (schedulers, samplers, RNG states, the gradient scaler) with
+accelerate's own functions into a fresh sub-folder, then saves models, optimizers, the objects
+registered for checkpointing (in bcp's safe encoding, where accelerate would pickle them), the
+stateful dataloaders' state (bcp's ``dataloader`` component, one part per process) and a record
+of the accelerator through ``bcp.save``, whose commit is the last
 write: from then on the folder is a whole checkpoint, before it none.
 Pruning to ``total_limit`` runs after the commit. A load reshards models and optimizers into the
 layout and number of processes the accelerator has now, then lets accelerate load the rest.
@@ -23,7 +24,7 @@ from accelerate.utils import DistributedType
 import bcp
 from bcp import AdapterError, CheckpointNotCommittedError, MismatchError
 from bcp.integration import refusing_pickled_code
-from bcp_accelerate import components, folders, framework_files, hooks, places
+from bcp_accelerate import components, dataloaders, folders, framework_files, hooks, places
 from bcp_accelerate.consensus import on_all_ranks
 from bcp_accelerate_autoload import ENGINE_VARIABLE
 
@@ -63,9 +64,10 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLi
     state: dict[str, Any] = {RECORD: {
         "step": accelerator.step, "models": saved_models, "num_models": len(models),
         "num_optimizers": len(optimizers), "num_custom_objects": len(accelerator._custom_objects),
-        "files": files_dir, "custom_objects_in_bcp": True,
+        "files": files_dir, "custom_objects_in_bcp": True, "dataloaders_in_bcp": True,
     }}
     state.update(_custom_components(accelerator))
+    state.update(dataloaders.component(accelerator))
     model = components.model_component(models, saved_models)
     if model is not None:
         state["model"] = model
@@ -123,11 +125,15 @@ def _load_through_bcp(accelerator: accelerate.Accelerator, folder: str, load_kwa
     custom_in_bcp = record.get("custom_objects_in_bcp", False)
     if custom_in_bcp:
         state.update(_custom_components(accelerator))
+    loaders_in_bcp = record.get("dataloaders_in_bcp", False)
+    if loaders_in_bcp:
+        state.update(dataloaders.component(accelerator))
     if state:
         bcp.load(folder, state, strict=options.get("strict", True), topology=process_topology(accelerator))
     if optimizers:
         components.restore_param_groups(state["optimizer"], optimizers)
-    on_all_ranks(lambda: _load_accelerate_files(accelerator, folder, record["files"], load_kwargs, custom_in_bcp),
+    on_all_ranks(lambda: _load_accelerate_files(accelerator, folder, record["files"], load_kwargs, custom_in_bcp,
+                                                loaders_in_bcp),
                  f"loading accelerate's files from {folder}")
     # The record, unlike the per-process RNG files, reaches processes beyond the saved number.
     accelerator.step = record["step"]
@@ -136,7 +142,8 @@ def _load_through_bcp(accelerator: accelerate.Accelerator, folder: str, load_kwa
 def _save_accelerate_files(accelerator: accelerate.Accelerator, files_dir: str, safe_serialization: bool) -> None:
     on_each_node = accelerator.project_configuration.save_on_each_node
     with places.files_to_write(files_dir) as local:
-        save_accelerator_state(local, [], [], accelerator._schedulers, accelerator._dataloaders,
+        save_accelerator_state(local, [], [], accelerator._schedulers,
+                               dataloaders.for_accelerate_files(accelerator._dataloaders, in_bcp=True),
                                accelerator.process_index, accelerator.step, accelerator.scaler,
                                save_on_each_node=on_each_node, safe_serialization=safe_serialization)
 
@@ -148,10 +155,11 @@ def _custom_components(accelerator: accelerate.Accelerator) -> dict[str, Any]:
 
 
 def _load_accelerate_files(accelerator: accelerate.Accelerator, folder: str, files: str, load_kwargs: dict | None,
-                           custom_in_bcp: bool) -> None:
+                           custom_in_bcp: bool, loaders_in_bcp: bool) -> None:
+    loaders = dataloaders.for_accelerate_files(accelerator._dataloaders, in_bcp=loaders_in_bcp)
     with places.files_to_read(places.join(folder, files)) as files_dir:
         with refusing_pickled_code(folder, files):
-            load_accelerator_state(files_dir, [], [], accelerator._schedulers, accelerator._dataloaders,
+            load_accelerator_state(files_dir, [], [], accelerator._schedulers, loaders,
                                    accelerator.process_index, accelerator.scaler, None, load_kwargs)
         if not custom_in_bcp:  # a checkpoint from before the objects went into bcp: their .pkl files
             for index, obj in enumerate(accelerator._custom_objects):

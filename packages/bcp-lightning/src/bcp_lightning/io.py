@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import bcp
 from bcp.integration import default_coordinator
-from bcp_lightning import convert, options, paths, torch_files
+from bcp_lightning import convert, loader_states, options, paths, torch_files
 from bcp_lightning.options import DEFAULT_IO_THREADS, Options
 from bcp_lightning.pending import PendingSaves
 
@@ -65,8 +65,10 @@ class CheckpointIOMixin:
         single = bcp.SingleProcessCoordinator()
         rest, layout = self._read_metadata(location, single, weights_only)
         loaded = convert.templates(layout)
+        loaded.update(loader_states.template(layout.get(loader_states.COMPONENT, False), single))
         if loaded:
             self._load(location, loaded, single, strict=True, weights_only=weights_only)
+        loader_states.put_back(rest, loaded)
         return convert.join(rest, layout, loaded)
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -95,7 +97,7 @@ class CheckpointIOMixin:
             if coordinator.rank == 0:
                 # Other ranks touch the path only after rank 0 has planned the save, so no barrier is needed.
                 paths.prepare_for_save(location)
-            handle = bcp.save(location, convert.split(checkpoint), opts, coordinator=coordinator,
+            handle = bcp.save(location, _components(checkpoint, coordinator), opts, coordinator=coordinator,
                               topology=_topology(opts, topology, coordinator))
         finally:
             pending.returned(handle)
@@ -118,6 +120,7 @@ class CheckpointIOMixin:
         coordinator = coordinator or default_coordinator()
         rest, layout = self._read_metadata(location, coordinator, None)
         state = {convert.MODEL: convert.model_view(model_state)}
+        state.update(loader_states.template(layout.get(loader_states.COMPONENT, False), coordinator))
         if optimizer_states:
             if convert.OPTIMIZER_STATES in layout:
                 state[convert.OPTIMIZER] = convert.optimizer_view(optimizer_states)
@@ -129,6 +132,7 @@ class CheckpointIOMixin:
         convert.write_back(model_state, state[convert.MODEL])
         if convert.OPTIMIZER in state:
             convert.write_back_optimizers(optimizer_states, state[convert.OPTIMIZER])
+        loader_states.put_back(rest, state)
         return rest
 
     def wait(self, path: str | None = None) -> None:
@@ -170,3 +174,12 @@ def _topology(opts: "bcp.SaveOptions | bcp.LoadOptions", topology: Mapping[str, 
               coordinator: bcp.Coordinator) -> Mapping[str, int]:
     """The coordinates the user set, else the strategy's, else the rank in the checkpoint's group as DP."""
     return opts.topology or topology or {"dp": coordinator.rank}
+
+
+def _components(checkpoint: Mapping[str, Any], coordinator: bcp.Coordinator) -> dict[str, Any]:
+    """The bcp components of Lightning's checkpoint dict, the fit loop's dataloader states among them."""
+    components = convert.split(checkpoint)
+    components[convert.REST], loaders = loader_states.take_out(components[convert.REST], coordinator)
+    components.update(loaders)
+    components[convert.LAYOUT][loader_states.COMPONENT] = bool(loaders)
+    return components

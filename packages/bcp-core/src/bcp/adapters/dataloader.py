@@ -51,6 +51,10 @@ class ShardedDataloader(Protocol):
     ``load_dataloader_state`` receives the replicated state and the sharded states assigned to this
     rank (by :func:`assign_parts`, or the loader's own ``assign_parts`` method when it has one), in
     order. Every state is a value of bcp's safe encoding (JSON types, tensors, bytes...).
+
+    Optionally, ``plan_checkpoints(every)``: the state will be collected after every ``every``-th
+    batch, so the loader may prepare it one step ahead (prefetching, paper section 4.5) and
+    ``sharded_states()`` at those steps returns without waiting for its read workers.
     """
 
     def replicated_state(self) -> Any: ...
@@ -85,10 +89,13 @@ class DataloaderState:
     as one part per DP index; restored only on the same DP size, since its state is one opaque
     position within its own DP shard of the data). ``writer``: whether this rank writes its DP
     index's parts; exactly one rank per DP group should (the TP/PP rank 0 of that group), every
-    rank of the group reads them back.
+    rank of the group reads them back. ``checkpoint_every``: the number of batches between saves,
+    passed to the loader's ``plan_checkpoints`` so that it prefetches its state (build the
+    ``DataloaderState`` before training for it to take effect from the first checkpoint).
     """
 
-    def __init__(self, loader: Any, *, dp_rank: int, dp_size: int, writer: bool = True) -> None:
+    def __init__(self, loader: Any, *, dp_rank: int, dp_size: int, writer: bool = True,
+                 checkpoint_every: int | None = None) -> None:
         if not (isinstance(dp_size, int) and dp_size >= 1 and isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
             raise CheckpointError(f"dataloader state needs 0 <= dp_rank < dp_size, got {dp_rank} of {dp_size}",
                                   key=COMPONENT)
@@ -98,7 +105,17 @@ class DataloaderState:
             raise CheckpointError(f"a {type(loader).__name__} is neither a ShardedDataloader nor has "
                                   "state_dict/load_state_dict", key=COMPONENT)
         self.loader, self.dp_rank, self.dp_size, self.writer = loader, dp_rank, dp_size, writer
+        if checkpoint_every is not None:
+            plan = getattr(loader, "plan_checkpoints", None)
+            if not callable(plan):
+                raise CheckpointError(f"a {type(loader).__name__} cannot prefetch its state (it has no "
+                                      "plan_checkpoints); leave checkpoint_every out", key=COMPONENT)
+            plan(checkpoint_every)
         self._kind = _SHARDED if sharded else _PER_RANK
+
+    def declaration(self) -> list[int]:
+        """What this rank says of itself for the save's writer check: ``[dp_rank, dp_size, writer]``."""
+        return [self.dp_rank, self.dp_size, int(self.writer)]
 
     def saved_values(self) -> dict[str, Any]:
         """The values this rank writes, by name under ``dataloader/`` (none unless it is a writer)."""
@@ -157,6 +174,28 @@ class DataloaderState:
             self.loader.load_dataloader_state(replicated["state"], [state for _, state in parts])
         else:
             self.loader.load_state_dict(parts[0][1])
+
+
+def check_writers(declarations: list[list[int] | None]) -> None:
+    """Every rank's :meth:`DataloaderState.declaration` (None: the rank passed no dataloader state):
+    the ranks must agree on the DP size, and each DP index must have exactly one writer, else its
+    parts would be missing or written twice. Raised before anything of the checkpoint is written."""
+    declared = [d for d in declarations if d is not None]
+    if not declared:
+        return
+    sizes = sorted({dp_size for _, dp_size, _ in declared})
+    if len(sizes) > 1:
+        raise CheckpointError(f"the ranks' dataloader states disagree on the DP size: {sizes}", key=COMPONENT)
+    writers: dict[int, list[int]] = {dp: [] for dp in range(sizes[0])}
+    for rank, declaration in enumerate(declarations):
+        if declaration is not None and declaration[2]:
+            writers[declaration[0]].append(rank)
+    for dp, ranks in writers.items():
+        if len(ranks) != 1:
+            what = "no rank is" if not ranks else f"ranks {ranks} are all"
+            raise CheckpointError(f"DP index {dp} of {sizes[0]}: {what} declared the writer of its dataloader parts "
+                                  "(exactly one rank per DP group passes writer=True, the TP/PP rank 0 of the group)",
+                                  key=COMPONENT)
 
 
 def _complete_parts(names: list[str], path: str | None) -> list[PartKey]:

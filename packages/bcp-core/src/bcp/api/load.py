@@ -154,15 +154,16 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
             result.stats.received_bytes = read_and_share(checkpoint.reader, plan.ops, roles, coord.process_group(),
                                                          checkpoint.io_threads)
         loaded = {name: plan.wanted[name] for name in result.loaded if name in checkpoint.tensors}
+        sources: dict[str, int] = {}
         for name in plan.values:
             if name in MERGED_ACROSS_RANKS:
                 merged = checkpoint.distinct_values(name, allow_pickle=allow_pickle)
                 loaded[name] = [item for value in merged for item in value]
                 continue
-            source = checkpoint.value_source(name, coord.rank)
+            sources[name] = source = checkpoint.value_source(name, coord.rank)
             if source != coord.rank and is_per_rank(name):
                 result.from_rank0.append(name)
-            loaded[name] = checkpoint.read_object(name, rank=source, allow_pickle=allow_pickle)
+        loaded.update(checkpoint.read_objects(sources, allow_pickle=allow_pickle))
     return loaded
 
 

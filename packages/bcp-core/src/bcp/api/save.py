@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from bcp.adapters import adapter_for
+from bcp.adapters.dataloader import COMPONENT as DATALOADER
+from bcp.adapters.dataloader import DataloaderState, check_writers
 from bcp.api.components import RESHARDED, check_keys, collect
 from bcp.api.gc_pause import paused_gc
 from bcp.api.location import resolve
@@ -84,6 +86,8 @@ class _Collected:
     replica_crcs: list[int] | None
     structure: tuple
     framework: str
+    #: The rank's word on its dataloader parts (``DataloaderState.declaration``), None without one.
+    dataloader: list[int] | None
 
     def local_plan(self) -> list[Any]:
         return LocalPlan.of(self.tensors, self.pieces, self.replica_crcs).to_wire()
@@ -149,19 +153,23 @@ def _collected(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
         else:
             values.append(ValueWrite.of(name, encode_value(value, key=name, allow_pickle=options.allow_pickle)))
     crcs = [crc_of(byte_view(host_contiguous(p.tensor))) for p in pieces] if options.verify_replicas else None
+    loader = state.get(DATALOADER)
     return _Collected(tensors, pieces, values, crcs, structure_key(tensors, pieces),
-                      adapter.name if adapter else "none")
+                      adapter.name if adapter else "none",
+                      loader.declaration() if isinstance(loader, DataloaderState) else None)
 
 
 @dataclass(frozen=True, slots=True)
 class _Proposal:
-    """A rank's word on the plan: whether its cached plan still fits, and (rank 0) the generation."""
+    """A rank's word on the plan: whether its cached plan still fits, (rank 0) the generation, and
+    what it declares of its dataloader parts (checked by every rank before anything is written)."""
 
     cache_hit: bool
     generation: int | None
+    dataloader: list[int] | None
 
     def to_wire(self) -> list[Any]:
-        return [self.cache_hit, self.generation]
+        return [self.cache_hit, self.generation, self.dataloader]
 
     @staticmethod
     def from_wire(wire: list[Any]) -> "_Proposal":
@@ -182,9 +190,14 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
     def propose() -> list[Any]:
         if collected.error is not None:
             raise collected.error
-        return _Proposal(hit is not None, location.claim_next_generation() if coord.rank == 0 else None).to_wire()
+        return _Proposal(hit is not None, location.claim_next_generation() if coord.rank == 0 else None,
+                         collected.value.dataloader).to_wire()
 
     proposals = [_Proposal.from_wire(wire) for wire in all_agree(coord, Outcome.of(propose), what)]
+    try:  # every rank holds every declaration, so every rank raises the same error here
+        check_writers([proposal.dataloader for proposal in proposals])
+    except CheckpointError as exc:
+        raise exc.at(location.display)
     generation = proposals[0].generation
     if all(proposal.cache_hit for proposal in proposals):
         return generation, hit

@@ -1,0 +1,65 @@
+"""The accelerator's stateful dataloaders (``DataLoaderConfiguration(use_stateful_dataloader=True)``)
+as bcp's ``dataloader`` component: each process's loaders' ``state_dict()`` saved as its DP index's
+part through ``bcp.DataloaderState`` (accelerate would ``torch.save`` them from every process into
+one shared file name), restored on the same number of processes.
+
+Accelerate's own files still hold the rest of each loader (a seedable sampler): the loaders are
+handed to it as :class:`SamplerOnly`, which tells it their state is not its to save or load.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import bcp
+from bcp import MismatchError
+
+
+def is_stateful(loader: Any) -> bool:
+    return bool(getattr(loader, "use_stateful_dataloader", False))
+
+
+class StatefulLoaders:
+    """The stateful loaders among the prepared ones, as one object: state by the loader's position
+    among every prepared dataloader."""
+
+    def __init__(self, loaders: Sequence[Any]) -> None:
+        self.loaders = {str(i): loader for i, loader in enumerate(loaders) if is_stateful(loader)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {index: loader.state_dict() for index, loader in self.loaders.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if sorted(state) != sorted(self.loaders):
+            raise MismatchError(f"stateful dataloaders at positions {sorted(state)} were saved, the accelerator "
+                                f"has them at {sorted(self.loaders)}", key="dataloader")
+        for index, loader in self.loaders.items():
+            loader.load_state_dict(state[index])
+
+
+def component(accelerator: Any) -> dict[str, bcp.DataloaderState]:
+    """``{"dataloader": ...}`` when the accelerator has stateful dataloaders, else nothing. Every
+    process is a DP rank (accelerate's data parallelism) and writes its own part."""
+    loaders = StatefulLoaders(accelerator._dataloaders)
+    if not loaders.loaders:
+        return {}
+    return {"dataloader": bcp.DataloaderState(loaders, dp_rank=accelerator.process_index,
+                                              dp_size=accelerator.num_processes)}
+
+
+class SamplerOnly:
+    """A stateful dataloader as accelerate's own files see it when bcp holds its state."""
+
+    use_stateful_dataloader = False
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+def for_accelerate_files(loaders: Sequence[Any], in_bcp: bool) -> list[Any]:
+    """The loaders to hand accelerate's own save/load: stateful ones as :class:`SamplerOnly` when
+    bcp holds their state."""
+    return [SamplerOnly(loader) if in_bcp and is_stateful(loader) else loader for loader in loaders]
