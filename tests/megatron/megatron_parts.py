@@ -16,15 +16,22 @@ VOCAB, SEQ, HIDDEN, HEADS = 64, 8, 16, 4
 
 @contextlib.contextmanager
 def parallel(tp: int = 1, pp: int = 1, ep: int = 1) -> Iterator[None]:
-    """Megatron's process groups for this case, destroyed afterwards (the rank pool is shared)."""
+    """Megatron's process groups for this case, destroyed afterwards (the rank pool is shared).
+    Megatron's ``destroy_model_parallel`` only forgets its groups: each gloo group would keep its
+    threads for the pool's life (800 per rank after the resharding tests, slowing every later case),
+    so the groups created during the case are destroyed here."""
     from megatron.core import parallel_state
+    from torch.distributed import distributed_c10d
 
+    before = set(distributed_c10d._world.pg_map)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              expert_model_parallel_size=ep)
     try:
         yield
     finally:
         parallel_state.destroy_model_parallel()
+        for group in [g for g in distributed_c10d._world.pg_map if g not in before]:
+            torch.distributed.destroy_process_group(group)
 
 
 def gpt(seed: int, num_layers: int = 4, tied: bool = True, experts: int | None = None) -> torch.nn.Module:
