@@ -4,15 +4,16 @@ that have no backend of their own. Commit markers need the filesystem's exclusiv
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from bcp.errors import StorageError
 from bcp.storage.base import Storage
-from bcp.storage.names import join_key, scatter
+from bcp.storage.names import join_key
+from bcp.storage.range_reads import RangeReads
 
 
-class FsspecStorage(Storage):
+class FsspecStorage(RangeReads, Storage):
     """Files under ``url`` on the fsspec filesystem its scheme names; ``options`` go to that filesystem."""
 
     def __init__(self, url: str, **options: Any) -> None:
@@ -46,17 +47,8 @@ class FsspecStorage(Storage):
             raise StorageError(f"{type(self._fs).__name__} has no exclusive create, so a commit marker "
                                f"cannot be written safely: {exc}", path=self.root) from exc
 
-    def read_into(self, name: str, offset: int, dest: memoryview) -> None:
-        self.read_into_many(name, offset, [dest])
-
-    def read_into_many(self, name: str, offset: int, dests: Sequence[memoryview]) -> None:
-        nbytes = sum(d.nbytes for d in dests)
-        if not nbytes:
-            return
-        data = self._fs.cat_file(self._path(name), start=offset, end=offset + nbytes)  # only these bytes
-        if len(data) < nbytes:
-            raise EOFError(f"{self.root}/{name}: file ends before byte {offset + nbytes}")
-        scatter([memoryview(data)], dests)
+    def read_range(self, name: str, offset: int, nbytes: int) -> list[bytes]:
+        return [self._fs.cat_file(self._path(name), start=offset, end=offset + nbytes)]  # only these bytes
 
     def read_bytes(self, name: str) -> bytes:
         return self._fs.cat_file(self._path(name))

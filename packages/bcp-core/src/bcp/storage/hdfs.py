@@ -18,11 +18,12 @@ create included, runs here without a Hadoop cluster; a live cluster is tested wh
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlparse
 
-from bcp.storage.names import join_key, scatter
+from bcp.storage.names import join_key
+from bcp.storage.range_reads import RangeReads
 
 PAYLOAD = "payload"
 """The file inside a commit-marker directory that holds the marker's bytes."""
@@ -37,7 +38,7 @@ def _pyarrow_fs() -> Any:
     return pyarrow.fs
 
 
-class HdfsStorage:
+class HdfsStorage(RangeReads):
     """Files under ``hdfs://namenode:port/path``; ``filesystem`` (any pyarrow ``FileSystem``) replaces
     the ``HadoopFileSystem`` the URL would open, the URL's path then naming the root in it."""
 
@@ -98,18 +99,9 @@ class HdfsStorage:
             return False
         return True
 
-    def read_into(self, name: str, offset: int, dest: memoryview) -> None:
-        self.read_into_many(name, offset, [dest])
-
-    def read_into_many(self, name: str, offset: int, dests: Sequence[memoryview]) -> None:
-        nbytes = sum(d.nbytes for d in dests)
-        if not nbytes:
-            return
+    def read_range(self, name: str, offset: int, nbytes: int) -> list[bytes]:
         with self._fs.open_input_file(self._file(name)) as f:
-            if offset + nbytes > f.size():
-                raise EOFError(f"{self.root}/{name}: file ends before byte {offset + nbytes}")
-            data = f.read_at(nbytes, offset)  # one positional read of only these bytes
-        scatter([memoryview(data)], dests)
+            return [f.read_at(min(nbytes, max(0, f.size() - offset)), offset)]  # one positional read
 
     def read_bytes(self, name: str) -> bytes:
         with self._fs.open_input_file(self._file(name)) as f:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-from bcp.storage.names import child_names, flat_bytes, join_key, scatter, split_url
+from bcp.storage.names import child_names, flat_bytes, join_key, split_url
+from bcp.storage.range_reads import RangeReads
 from bcp.storage.retry import RetryingStorage, RetryPolicy
 
 PART_BYTES = 16 << 20
@@ -61,7 +62,7 @@ def _obstore() -> Any:
     return obstore
 
 
-class S3Objects:
+class S3Objects(RangeReads):
     """The objects under ``s3://bucket/prefix``, one request (or one multipart upload) per operation,
     with no retries of its own: :class:`S3Storage` retries, so that every retry is seen and counted.
 
@@ -135,21 +136,11 @@ class S3Objects:
                 return False
             raise
 
-    def read_into(self, name: str, offset: int, dest: memoryview) -> None:
-        self.read_into_many(name, offset, [dest])
-
-    def read_into_many(self, name: str, offset: int, dests: Sequence[memoryview]) -> None:
-        nbytes = sum(d.nbytes for d in dests)
-        if not nbytes:
-            return
+    def read_range(self, name: str, offset: int, nbytes: int) -> list[Any]:
         starts = list(range(offset, offset + nbytes, PART_BYTES))
         ends = [min(start + PART_BYTES, offset + nbytes) for start in starts]
         with self._request(name):
-            parts = self._ob.get_ranges(self._store, self._key(name), starts=starts, ends=ends, coalesce=0)
-        got = sum(len(p) for p in parts)
-        if got < nbytes:
-            raise EOFError(f"{self.root}/{name}: object ends before byte {offset + nbytes}")
-        scatter([memoryview(p) for p in parts], dests)
+            return self._ob.get_ranges(self._store, self._key(name), starts=starts, ends=ends, coalesce=0)
 
     def read_bytes(self, name: str) -> bytes:
         with self._request(name):
