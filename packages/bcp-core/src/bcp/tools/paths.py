@@ -21,9 +21,8 @@ def _storage(path: "str | os.PathLike") -> Storage:
         raise CheckpointError(str(exc)) from None
 
 
-def _place(path: "str | os.PathLike") -> str:
+def _place(path: "str | os.PathLike", storage: Storage) -> str:
     """What a path or URL names, comparable with another's: a real local path, or the URL itself."""
-    storage = _storage(path)
     if isinstance(storage, LocalStorage):
         return os.path.realpath(storage.root)
     return os.fspath(path).rstrip("/")
@@ -33,12 +32,12 @@ def check_new_output(out: "str | os.PathLike", sources: Sequence["str | os.PathL
                      may_exist: bool = False) -> str:
     """The output (a real local path, or the URL as given), refused when it overlaps a source or
     (unless ``may_exist``) is not empty, so that no run can clobber data it did not create."""
-    target = _place(out)
+    storage = _storage(out)
+    target = _place(out, storage)
     for source in sources:
-        origin = _place(source)
+        origin = _place(source, _storage(source))
         if _inside(target, origin) or _inside(origin, target):
             raise CheckpointError(f"the output {target!r} overlaps the source {origin!r}; write to another folder")
-    storage = _storage(out)
     if isinstance(storage, LocalStorage) and os.path.exists(target) and not os.path.isdir(target):
         raise CheckpointError(f"the output {target!r} exists and is not a folder")
     if not may_exist and storage.list_dir(""):
