@@ -6,8 +6,9 @@ at ``loops.fit_loop.state_dict.combined_loader``, and gives them back to the loa
 resumes. bcp_lightning takes that list out of Lightning's other entries and saves it through
 ``bcp.DataloaderState``, each saving rank as its own DP index, since the loop's state is per rank
 (every rank under bcp_lightning's strategies, also under tensor parallelism; rank 0 alone through
-the plugin, whose part every rank then reads, as Lightning does). Resuming on the same DP size gives each rank its own loaders' states; on another,
-the load fails with a clear error instead of handing one rank's position to all.
+the plugin, whose part every rank then reads, as Lightning does). Resuming on the same DP size
+gives each rank its own loaders' states; on another, the load fails with a clear error instead of
+handing one rank's position to all.
 """
 
 from __future__ import annotations
