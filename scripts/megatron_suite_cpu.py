@@ -90,6 +90,37 @@ import megatron.core.utils as _megatron_utils
 if importlib.util.find_spec("transformer_engine") is None:
     _megatron_utils.is_te_min_version = lambda version, check_equality=True: False
 
+# Megatron's destroy_model_parallel only forgets its process groups: each gloo group keeps its
+# threads and sockets until the process ends (hundreds per rank after a few dozen tests, slowing
+# every later one on a small machine). The groups an initialize_model_parallel created are destroyed
+# with it, as a device-independent cleanup would; both backends get the same.
+from megatron.core import parallel_state as _parallel_state
+from torch.distributed import distributed_c10d as _c10d
+
+_initialize_model_parallel = _parallel_state.initialize_model_parallel
+_destroy_model_parallel = _parallel_state.destroy_model_parallel
+_megatron_groups: list = []
+
+
+def _initialize_tracking_groups(*args, **kwargs):
+    before = set(_c10d._world.pg_map)
+    try:
+        return _initialize_model_parallel(*args, **kwargs)
+    finally:
+        _megatron_groups.extend(g for g in _c10d._world.pg_map if g not in before)
+
+
+def _destroy_with_groups(*args, **kwargs):
+    _destroy_model_parallel(*args, **kwargs)
+    while _megatron_groups:
+        group = _megatron_groups.pop()
+        if group in _c10d._world.pg_map:
+            torch.distributed.destroy_process_group(group)
+
+
+_parallel_state.initialize_model_parallel = _initialize_tracking_groups
+_parallel_state.destroy_model_parallel = _destroy_with_groups
+
 # Megatron-Core 0.16.1's remove_sharded_tensors uses FileSystemWriter.metadata_path, which newer
 # torch (2.13 here) has as _get_metadata_path(): a torch-version stand-in, for both backends.
 from torch.distributed.checkpoint import FileSystemWriter

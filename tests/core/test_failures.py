@@ -62,6 +62,25 @@ def test_bad_value_on_one_rank_is_reported_on_all(ranks, tmp_path):
     assert not any(p.startswith("gen-") and os.path.exists(tmp_path / p / "COMMITTED") for p in os.listdir(tmp_path))
 
 
+def different_targets(path: str) -> list:
+    state = {"model": {"w": torch.ones(4)}}
+    bcp.save(path, state)  # one good checkpoint first: the refused save must leave it the latest
+    mine = os.path.join(path, "elsewhere") if dist.get_rank() == 1 else path
+    refused = outcome(lambda: bcp.save(mine, {"model": {"w": torch.zeros(4)}}))
+    out = {"w": torch.full((4,), 7.0)}
+    loaded = bcp.load(path, {"model": out})
+    return [refused, out["w"].tolist(), loaded.generation]
+
+
+def test_ranks_naming_different_checkpoints_are_refused_before_writing(ranks, tmp_path):
+    results = ranks(2).run(different_targets, str(tmp_path))
+    for refused, loaded, generation in results:
+        assert refused.startswith("CheckpointError") and "different checkpoints" in refused
+        assert f"ranks [0]: {tmp_path}/" in refused and f"ranks [1]: {tmp_path}/elsewhere/" in refused
+        assert loaded == [1.0] * 4 and generation == 1
+    assert not os.path.exists(tmp_path / "elsewhere" / "gen-00000001")
+
+
 def load_mismatch(path: str) -> str:
     bcp.save(path, {"model": {"w": torch.ones(4, 4)}})
     shape = (4, 4) if dist.get_rank() == 0 else (4, 5)

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import bcp
 from bcp import MismatchError
+from bcp.integration import DATALOADER_COMPONENT
 
 
 def is_stateful(loader: Any) -> bool:
@@ -32,7 +33,7 @@ class StatefulLoaders:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if sorted(state) != sorted(self.loaders):
             raise MismatchError(f"stateful dataloaders at positions {sorted(state)} were saved, the accelerator "
-                                f"has them at {sorted(self.loaders)}", key="dataloader")
+                                f"has them at {sorted(self.loaders)}", key=DATALOADER_COMPONENT)
         for index, loader in self.loaders.items():
             loader.load_state_dict(state[index])
 
@@ -43,8 +44,8 @@ def component(accelerator: Any) -> dict[str, bcp.DataloaderState]:
     loaders = StatefulLoaders(accelerator._dataloaders)
     if not loaders.loaders:
         return {}
-    return {"dataloader": bcp.DataloaderState(loaders, dp_rank=accelerator.process_index,
-                                              dp_size=accelerator.num_processes)}
+    return {DATALOADER_COMPONENT: bcp.DataloaderState(loaders, dp_rank=accelerator.process_index,
+                                                      dp_size=accelerator.num_processes)}
 
 
 class SamplerOnly:

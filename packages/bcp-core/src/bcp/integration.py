@@ -11,12 +11,14 @@ test walks their imports).
   state) and the storage backend for a path or URL;
 - adapters: ``initialize_state`` gives a never-stepped optimizer its state before a load;
   ``adapter_for`` finds the registered adapter for live objects, by name, as ``bcp.save`` does;
+  ``DATALOADER_COMPONENT`` is the state-dict entry ``bcp.save`` treats as per-rank data positions;
 - framework files: a framework's own pickled files in a checkpoint folder, read safely.
 """
 
 from __future__ import annotations
 
 from bcp.adapters import adapter_for
+from bcp.adapters.dataloader import COMPONENT as DATALOADER_COMPONENT
 from bcp.adapters.optimizer import initialize_state
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.location import resolve as checkpoint_location
@@ -45,7 +47,7 @@ __all__ = [
     # where checkpoints live: generations and their commit state; storage backends
     "checkpoint_location", "Storage", "storage_for",
     # adapters
-    "initialize_state", "adapter_for",
+    "initialize_state", "adapter_for", "DATALOADER_COMPONENT",
     # frameworks' own pickled files in a checkpoint folder, read safely
     "refusing_pickled_code",
 ]

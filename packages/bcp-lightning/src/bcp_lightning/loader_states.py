@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import bcp
+from bcp.integration import DATALOADER_COMPONENT as COMPONENT
 
-COMPONENT = "dataloader"
 _PATH = ("loops", "fit_loop", "state_dict")
 _KEY = "combined_loader"
 

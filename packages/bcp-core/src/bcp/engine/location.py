@@ -56,6 +56,12 @@ class Location:
     display: str
     keep_generations: int = DEFAULT_KEEP_GENERATIONS
 
+    @property
+    def target(self) -> str:
+        """The checkpoint in one string, the same for every process naming it (the storage's absolute
+        root, the role): what the ranks of one save compare."""
+        return f"{self.storage.root}/{self.prefix}"
+
     def name(self, generation: int, relative: str) -> str:
         return f"{self.prefix}{generation_dir(generation)}/{relative}"
 

@@ -65,7 +65,7 @@ class HdfsStorage(RangeReads):
     def _file(self, name: str) -> str:
         """The file holding ``name``'s bytes: itself, or the payload of a commit-marker directory."""
         path = self._path(name)
-        kind = self._fs.get_file_info(path).type
+        kind = self._info(name).type
         if kind == self._types.Directory:
             return f"{path}/{PAYLOAD}"
         if kind == self._types.NotFound:
