@@ -9,6 +9,7 @@ says what it replaces; none touches checkpointing code. Every finished test phas
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -41,6 +42,24 @@ torch.cuda.set_device = lambda device: None
 torch.cuda.device_count = lambda: 1
 torch.cuda.current_device = lambda: 0
 torch.cuda.synchronize = lambda device=None: None
+# The CUDA generator, whose state Megatron checkpoints (get_rng_state), is a CPU generator of its own.
+_cuda_generator = torch.Generator()
+torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = lambda device=_CUDA: _cuda_generator.get_state()
+torch.cuda.set_rng_state = torch.cuda.random.set_rng_state = (
+    lambda state, device=_CUDA: _cuda_generator.set_state(state))
+torch.cuda.manual_seed = lambda seed: _cuda_generator.manual_seed(seed)
+
+
+class _NoStream:
+    """Megatron-LM's get_model builds DDP on a side stream; on the CPU there is one order of work."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+torch.cuda.Stream = lambda *args, **kwargs: _NoStream()
+torch.cuda.current_stream = lambda device=None: _NoStream()
+torch.cuda.stream = lambda stream: contextlib.nullcontext()
 # Tensors and modules the tests move to the GPU stay on the CPU.
 torch.Tensor.cuda = lambda self, *args, **kwargs: self
 torch.nn.Module.cuda = lambda self, *args, **kwargs: self

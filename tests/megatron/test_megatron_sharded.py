@@ -93,6 +93,17 @@ def expected_load(rank: int) -> dict:
     }
 
 
+def load_case_torch_dist_named(path: str) -> dict:
+    """Through the strategy that stands in for torch_dist's by name (Megatron-LM 0.17 builds it
+    itself; Megatron-Core's own tests ask for it with get_default_strategy)."""
+    from megatron.core import dist_checkpointing
+
+    from bcp_megatron.strategies_torch_dist import BcpLoadShardedStrategy as TorchDistNamed
+
+    return dist_checkpointing.load(sharded_state(dist.get_rank(), load=True), path,
+                                   sharded_strategy=TorchDistNamed())
+
+
 @pytest.fixture(scope="module")
 def saved(ranks, tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("megatron") / "ckpt"
@@ -113,6 +124,15 @@ def test_reshards_tensors_and_reads_objects_from_their_owner(ranks, saved):
         assert objects["optimizer"] == OBJECT
         assert objects["bytes"].getvalue() == b"te-extra-state"
         assert torch.equal(objects["from_rank1"], torch.ones(3) * 7)
+
+
+def test_the_strategy_named_like_torch_dists_loads_on_this_megatron_core(ranks, saved):
+    # It passed Megatron-Core 0.17's cache_metadata option to 0.16's strategy, which takes none.
+    for rank, loaded in enumerate(ranks(2).run(load_case_torch_dist_named, saved)):
+        expected = expected_load(rank)
+        assert torch.equal(loaded["regular"], expected["regular"])
+        assert torch.equal(loaded["stacked"], expected["stacked"])
+        assert torch.equal(loaded["replicated"], expected["replicated"])
 
 
 def test_metadata_without_process_group(saved):

@@ -12,6 +12,7 @@ itself: a checkpoint with committed bcp generations loads through bcp, any other
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -31,6 +32,9 @@ from bcp_megatron.errors import as_megatron_errors
 from bcp_megatron.load import BcpLoader, read_manifest, sharded_metadata, tensors_metadata
 from bcp_megatron.saving import DEFAULT_IO_THREADS, BcpSaver
 from bcp_megatron.version import BACKEND, VERSION
+
+# Megatron-Core 0.17 added torch_dist's cache_metadata option; 0.16's strategy takes no arguments.
+_CACHE_OPTION = "cache_metadata" in inspect.signature(TorchDistLoadShardedStrategy.__init__).parameters
 
 
 class BcpSaveShardedStrategy(TorchDistSaveShardedStrategy):
@@ -61,11 +65,12 @@ class BcpSaveShardedStrategy(TorchDistSaveShardedStrategy):
 class BcpLoadShardedStrategy(TorchDistLoadShardedStrategy):
     """Loads bcp checkpoints into any layout, and torch_dist checkpoints through torch_dist;
     ``cast_dtype`` (on, as torch_dist casts) converts a tensor saved in another dtype than the
-    requested one."""
+    requested one. ``cache_metadata`` is handed to torch_dist's strategy where it has the option
+    (Megatron-Core 0.17 and later)."""
 
     def __init__(self, *, allow_pickle: bool = False, verify: bool = True, io_threads: int = DEFAULT_IO_THREADS,
                  coordinator: Coordinator | None = None, cast_dtype: bool = True, cache_metadata: bool = False) -> None:
-        super().__init__(cache_metadata=cache_metadata)
+        super().__init__(**({"cache_metadata": cache_metadata} if _CACHE_OPTION else {}))
         self.loader = BcpLoader(bcp.LoadOptions(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads,
                                                 coordinator=coordinator, cast_dtype=cast_dtype))
 
