@@ -5,8 +5,11 @@ Each request is forwarded to the server unless ``fault(method, path)`` picks a f
 forwarding, ``"reset_after"`` forwards (the server acts) and then resets instead of replying (the
 client cannot know whether its request took effect), ``"stall"`` holds the request unanswered for
 ``stall_s`` seconds and then drops the connection, ``"forbidden"`` answers 403 AccessDenied without
-forwarding (as a bucket policy that lets the caller only read). The proxy counts requests, faults and the
-response body bytes it relays, so tests can check how much a load downloaded.
+forwarding (as a bucket policy that lets the caller only read), ``"no_such_upload"`` answers 404
+NoSuchUpload without forwarding (S3's answer for a multipart upload completed or aborted before;
+SeaweedFS completes one twice instead). The proxy counts requests, faults, the
+response body bytes it relays and the request body bytes it receives (faulted requests included), so
+tests can check how much a load downloaded and how much a save uploaded.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ Fault = Callable[[str, str], "str | None"]
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection"}
 _SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
+_NO_SUCH_UPLOAD = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NoSuchUpload</Code>'
+                   b"<Message>The specified upload does not exist.</Message></Error>")
 _ACCESS_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
                   b"<Message>Access Denied</Message></Error>")
 
@@ -39,6 +44,7 @@ class FaultProxy:
         self.requests: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
         self.get_body_bytes = 0
+        self.received_body_bytes = 0
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self._server.handle_error = lambda request, address: None  # a reset we made is no error
@@ -55,6 +61,7 @@ class FaultProxy:
             self.requests.clear()
             self.faults.clear()
             self.get_body_bytes = 0
+            self.received_body_bytes = 0
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         proxy = self
@@ -71,12 +78,15 @@ class FaultProxy:
                 fault = proxy.fault(self.command, self.path)
                 with proxy.lock:
                     proxy.requests[self.command] += 1
+                    proxy.received_body_bytes += len(body)
                     if fault:
                         proxy.faults[fault] += 1
                 if fault == "slowdown":
                     return self._reply(503, [("Content-Type", "application/xml")], _SLOWDOWN)
                 if fault == "forbidden":
                     return self._reply(403, [("Content-Type", "application/xml")], _ACCESS_DENIED)
+                if fault == "no_such_upload":
+                    return self._reply(404, [("Content-Type", "application/xml")], _NO_SUCH_UPLOAD)
                 if fault == "stall":
                     time.sleep(proxy.stall_s)
                     return self._reset()

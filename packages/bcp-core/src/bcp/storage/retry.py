@@ -6,6 +6,10 @@ pause until the policy's budget is spent; a permanent error fails at once. Missi
 ``FileNotFoundError`` and short files ``EOFError`` (the Storage protocol's own signals); every other
 final failure is a :class:`bcp.StorageError` naming the URL, the file, the byte range, the attempts
 and the cause. Every retry is logged on the ``bcp.storage`` logger and counted in ``stats``.
+
+A large file on a backend that can upload it in parts (:class:`PartedWrites`, S3's multipart
+upload) is written part by part, each part its own retried operation: a transient failure sends
+that part again, not the whole file.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from functools import partial
+from typing import Protocol, TypeVar, runtime_checkable
 
 from bcp.errors import StorageError
 from bcp.storage.base import Storage
@@ -71,6 +77,32 @@ class Classified(Protocol):
     def is_transient(self, exc: BaseException) -> bool: ...
 
 
+class PartedUpload(Protocol):
+    """One file written as parts: :meth:`begin`, :meth:`send` each part (any order, ``parallel`` at
+    once), :meth:`finish`; :meth:`abort` (best effort) if it cannot finish. Every step is one request,
+    safe to repeat, so the retrying layer retries each on its own."""
+
+    parts: Sequence[tuple[int, int]]
+    """``(offset, nbytes)`` of each part in the file."""
+    parallel: int
+
+    def begin(self) -> None: ...
+
+    def send(self, index: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+@runtime_checkable
+class PartedWrites(Protocol):
+    """A backend that can write a large file as separately retried parts."""
+
+    def parted_upload(self, name: str, views: Sequence[memoryview]) -> PartedUpload | None:
+        """The upload of ``views`` as ``name`` in parts, not yet begun; None to write it whole."""
+
+
 class RetryingStorage(Storage):
     """``inner``'s operations, each retried on transient errors under ``policy``."""
 
@@ -111,7 +143,32 @@ class RetryingStorage(Storage):
         # A retried upload must send the same bytes again, so the stream is drawn once, here; its
         # views point into tensors the saver holds anyway, so this keeps references, not copies.
         views = list(chunks)
-        self._call(f"writing {self._where(name)}", lambda: self.inner.write_file(name, views))
+        upload = self.inner.parted_upload(name, views) if isinstance(self.inner, PartedWrites) else None
+        if upload is None:
+            self._call(f"writing {self._where(name)}", lambda: self.inner.write_file(name, views))
+        else:
+            self._write_parts(name, upload)
+
+    def _write_parts(self, name: str, upload: PartedUpload) -> None:
+        self._call(f"starting the upload of {self._where(name)}", upload.begin)
+        try:
+            with ThreadPoolExecutor(upload.parallel, thread_name_prefix="bcp-upload-part") as pool:
+                sends = [pool.submit(self._call, f"writing {self._where(name, offset, nbytes)}",
+                                     partial(upload.send, index))
+                         for index, (offset, nbytes) in enumerate(upload.parts)]
+                for sent in as_completed(sends):
+                    if sent.exception() is not None:  # a part failed for good: send no more
+                        for other in sends:
+                            other.cancel()
+                    sent.result()
+            self._call(f"completing the upload of {self._where(name)}", upload.finish)
+        except BaseException:
+            try:  # once: an upload left behind costs storage, but the error to report is the first one
+                upload.abort()
+            except Exception as exc:  # noqa: BLE001 - logged; the upload's own error is raised
+                log.warning("could not abort the upload of %s, leaving its parts to the bucket's lifecycle "
+                            "rules: %r", self._where(name), exc)
+            raise
 
     def put_if_absent(self, name: str, data: bytes) -> bool:
         tries = 0

@@ -6,23 +6,34 @@ boto3 on a local SeaweedFS (256 MiB object, 16 MiB parts, 8-way parallel, 2-core
 requests run outside the GIL on a pooled, keep-alive HTTP client, and it has conditional put
 (``If-None-Match: *``) and parallel multipart upload built in.
 
-``S3Objects`` issues each operation once; ``S3Storage`` is what users name: the same, retried.
-A retried large file is uploaded again whole: obstore runs the multipart upload inside one call and
-has no per-part API, and its own per-request retries are switched off because they would be neither
-logged nor counted.
+``S3Objects`` issues each operation once; ``S3Storage`` is what users name: the same, retried
+(obstore's own per-request retries are off: they would be neither logged nor counted).
+
+A file larger than one part is uploaded as a multipart upload whose parts are separate requests
+(:mod:`bcp.storage.s3_multipart`, since obstore runs a multipart upload inside one call and has no
+per-part API): ``S3Objects.parted_upload`` hands the upload to the retrying layer, which sends the
+parts 8 at a time and retries each on its own, so a transient error costs one part, not the file.
+That client signs with static keys (options or ``AWS_*`` variables); without them, or with an obstore
+setting it does not implement (``_OBSTORE_ONLY``), large files go through obstore in one call and are
+retried whole, with a warning once per process. Small files, conditional puts, reads and listings
+always go through obstore.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from bcp.storage.names import child_names, flat_bytes, join_key, split_url
 from bcp.storage.range_reads import RangeReads
 from bcp.storage.retry import RetryingStorage, RetryPolicy
+from bcp.storage.s3_multipart import MIN_PART_BYTES, MultipartUpload, S3Client, S3RequestError
+from bcp.storage.sigv4 import Credentials
 
 PART_BYTES = 16 << 20
 """Multipart part size and the size of one ranged GET; large enough that per-request overhead is
@@ -33,25 +44,13 @@ PARALLEL_REQUESTS = 8
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
-
-
-class S3RequestError(OSError):
-    """A failed S3 request: the HTTP ``status`` (None when no reply came) and the S3 error ``code``."""
-
-    def __init__(self, message: str, status: int | None, code: str | None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-
-    @property
-    def kind(self) -> str:
-        """The cause in a word, for the retry counts."""
-        return self.code or (f"HTTP {self.status}" if self.status else "no reply")
-
-    @property
-    def transient(self) -> bool:
-        """A 5xx (SlowDown is a 503), a 408/429, or no reply at all (reset, refused, timed out)."""
-        return self.status is None or self.status >= 500 or self.status in (408, 429)
+log = logging.getLogger("bcp.storage")
+_OBSTORE_ONLY = ("AWS_ENDPOINT", "AWS_TOKEN", "AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "AWS_SKIP_SIGNATURE",
+                 "AWS_S3_EXPRESS", "AWS_REQUEST_PAYER", "AWS_REQUESTER_PAYS", "AWS_CHECKSUM_ALGORITHM",
+                 "AWS_SERVER_SIDE_ENCRYPTION", "AWS_SSE_KMS_KEY_ID", "AWS_SSE_BUCKET_KEY_ENABLED",
+                 "AWS_SSE_CUSTOMER_KEY_BASE64")
+"""obstore settings that change how an upload must be sent and that the part-by-part client does not
+implement: where one is set, large files go through obstore (see :func:`_warn_whole_uploads`)."""
 
 
 def _obstore() -> Any:
@@ -68,13 +67,17 @@ class S3Objects(RangeReads):
 
     Connection settings come from the explicit options, else from the standard variables
     (``AWS_ENDPOINT_URL``, ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
-    ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``)."""
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``). ``part_bytes`` is the multipart part size
+    (at least S3's 5 MiB minimum)."""
 
     def __init__(self, url: str, *, endpoint_url: str | None = None, region: str | None = None,
                  access_key_id: str | None = None, secret_access_key: str | None = None,
-                 session_token: str | None = None, timeout_s: float = 60.0) -> None:
+                 session_token: str | None = None, timeout_s: float = 60.0, part_bytes: int = PART_BYTES) -> None:
         bucket, self._prefix = split_url(url, "s3", "bucket")
+        if part_bytes < MIN_PART_BYTES:
+            raise ValueError(f"part_bytes={part_bytes}: S3 parts are at least {MIN_PART_BYTES} bytes")
         self.root = url.rstrip("/")
+        self._part_bytes = part_bytes
         env = os.environ.get
         endpoint = endpoint_url or env("AWS_ENDPOINT_URL_S3") or env("AWS_ENDPOINT_URL")
         config = {
@@ -93,6 +96,30 @@ class S3Objects(RangeReads):
                             "timeout": f"{timeout_s}s", "connect_timeout": "10s"},
             retry_config={"max_retries": 0},
         )
+        # The part-by-part upload signs its own requests, with the keys obstore would use when keys
+        # are configured (an option, else the variable, field by field as obstore merges them).
+        keys = Credentials(access_key_id or env("AWS_ACCESS_KEY_ID") or "",
+                           secret_access_key or env("AWS_SECRET_ACCESS_KEY") or "",
+                           session_token or env("AWS_SESSION_TOKEN") or None)
+        unsupported = [name for name in _OBSTORE_ONLY if env(name)]
+        self._whole_uploads_reason = (
+            f"{', '.join(unsupported)} set" if unsupported
+            else None if keys.access_key_id and keys.secret_access_key
+            else "no access keys in the options or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY")
+        self._parts_client = (S3Client(endpoint, config["region"], bucket, keys, timeout_s)
+                              if self._whole_uploads_reason is None else None)
+
+    def parted_upload(self, name: str, views: Sequence[memoryview]) -> MultipartUpload | None:
+        """A file larger than one part as a multipart upload whose parts are retried one by one; None
+        (one obstore call: a single PUT, or obstore's multipart upload retried whole) for a small file,
+        or where the part client cannot send as obstore would (see :func:`_warn_whole_uploads`)."""
+        views = [flat_bytes(v) for v in views]
+        if sum(v.nbytes for v in views) <= self._part_bytes:
+            return None
+        if self._parts_client is None:
+            _warn_whole_uploads(str(self._whole_uploads_reason))
+            return None
+        return MultipartUpload(self._parts_client, self._key(name), views, self._part_bytes, PARALLEL_REQUESTS)
 
     def _key(self, name: str) -> str:
         return join_key(self._prefix, name)
@@ -119,10 +146,10 @@ class S3Objects(RangeReads):
     def write_file(self, name: str, chunks: Iterable[memoryview]) -> None:
         views = [flat_bytes(c) for c in chunks]
         with self._request(name):
-            if sum(v.nbytes for v in views) <= PART_BYTES:  # one PUT: a multipart upload costs 3 requests
+            if sum(v.nbytes for v in views) <= self._part_bytes:  # one PUT: a multipart upload costs 3 requests
                 self._ob.put(self._store, self._key(name), b"".join(views), use_multipart=False)
             else:
-                self._ob.put(self._store, self._key(name), iter(views), chunk_size=PART_BYTES,
+                self._ob.put(self._store, self._key(name), iter(views), chunk_size=self._part_bytes,
                              max_concurrency=PARALLEL_REQUESTS)
 
     def put_if_absent(self, name: str, data: bytes) -> bool:
@@ -190,10 +217,22 @@ class S3Objects(RangeReads):
         return isinstance(exc, S3RequestError) and exc.transient
 
 
+@functools.cache
+def _warn_whole_uploads(reason: str) -> None:
+    """Once per process and reason: the part client signs with static keys only and sends plain
+    path-style requests. Without keys (obstore then finds credentials through web identity, the
+    container or the instance metadata) or with an obstore-only setting (:data:`_OBSTORE_ONLY`), a
+    large file is uploaded by obstore in one call, which a transient error on any part makes the
+    retrying layer send again whole."""
+    log.warning("S3: %s; large files are uploaded by obstore in one call, retried whole, not part by part",
+                reason)
+
+
 class S3Storage(RetryingStorage):
     """``s3://bucket/prefix`` with transient errors retried under ``retry``: what ``bcp.save`` and
     ``bcp.load`` use for an ``s3://`` URL. Pass one explicitly to set the endpoint or credentials in
-    code, e.g. ``bcp.save(S3Storage("s3://ckpt/run", endpoint_url="http://minio:9000"), state)``."""
+    code, e.g. ``bcp.save(S3Storage("s3://ckpt/run", endpoint_url="http://minio:9000"), state)``;
+    ``part_bytes=`` sets a smaller multipart part size (tests use 5 MiB parts)."""
 
     def __init__(self, url: str, *, retry: RetryPolicy | None = None, **options: Any) -> None:
         super().__init__(S3Objects(url, **options), retry)
