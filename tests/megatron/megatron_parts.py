@@ -11,6 +11,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+import bcp
+
 VOCAB, SEQ, HIDDEN, HEADS = 64, 8, 16, 4
 
 
@@ -110,6 +112,18 @@ def assert_bitwise(expected: dict[str, torch.Tensor], actual: dict[str, torch.Te
         other = actual[key]
         assert value.dtype == other.dtype and value.shape == other.shape, key
         assert torch.equal(value.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8)), key
+
+
+def raised(call) -> tuple:
+    """``(CheckpointingException?, bcp.CheckpointError class name or None, message)`` of what ``call`` raises."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    try:
+        call()
+    except Exception as exc:  # the outcome under test
+        return (isinstance(exc, CheckpointingException),
+                type(exc).__name__ if isinstance(exc, bcp.CheckpointError) else None, str(exc))
+    return ("nothing raised",)
 
 
 def rank() -> int:

@@ -18,22 +18,9 @@ import os
 import torch
 import torch.distributed as dist
 
-import bcp
 import bcp_megatron  # noqa: F401  (registers the ('bcp', 1) backend)
 from hostile_pickle import TouchesMarker
-from megatron_parts import parallel
-
-
-def _raised(call) -> tuple:
-    """``(CheckpointingException?, bcp.CheckpointError class name or None, message)`` of what ``call`` raises."""
-    from megatron.core.dist_checkpointing.core import CheckpointingException
-
-    try:
-        call()
-    except Exception as exc:  # the outcome under test
-        return (isinstance(exc, CheckpointingException),
-                type(exc).__name__ if isinstance(exc, bcp.CheckpointError) else None, str(exc))
-    return ("nothing raised",)
+from megatron_parts import parallel, raised
 
 
 def load_error_messages(root: str) -> dict:
@@ -45,14 +32,14 @@ def load_error_messages(root: str) -> dict:
         state_dict = {"some_key": sh_ten}
         missing = os.path.join(root, "non-existent")
         empty = os.path.join(root, "ckpt")
-        outcomes = {"missing": _raised(lambda: load(state_dict, missing))}
+        outcomes = {"missing": raised(lambda: load(state_dict, missing))}
         if rank == 0:
             os.makedirs(empty)
         dist.barrier()
-        outcomes["empty"] = _raised(lambda: load(state_dict, empty))
+        outcomes["empty"] = raised(lambda: load(state_dict, empty))
         save(state_dict, empty, sharded_strategy=("bcp", 1))
         sh_ten.key = "different_key"
-        outcomes["renamed"] = _raised(lambda: load(state_dict, empty))
+        outcomes["renamed"] = raised(lambda: load(state_dict, empty))
     return outcomes
 
 
@@ -86,8 +73,8 @@ def shape_mismatches(path: str) -> dict:
                                                          (1, pp_rank, pp_size), replica_id=tp_rank, **kwargs)}
 
         return {
-            "smaller": _raised(lambda: load(request("rigid", 7), path)),
-            "larger": _raised(lambda: load(request("rigid", 9), path)),
+            "smaller": raised(lambda: load(request("rigid", 7), path)),
+            "larger": raised(lambda: load(request("rigid", 9), path)),
             "smaller flexible": load(request("flexible", 7, allow_shape_mismatch=True), path)["flexible"],
             "larger flexible": load(request("flexible", 9, allow_shape_mismatch=True), path)["flexible"],
         }
@@ -122,7 +109,7 @@ def common_state(path: str, marker: str) -> dict:
         if rank == 0:
             torch.save({"iteration": TouchesMarker(marker)}, common)
         dist.barrier()
-        outcomes["hostile"] = _raised(lambda: load(state(), path))
+        outcomes["hostile"] = raised(lambda: load(state(), path))
     return outcomes
 
 

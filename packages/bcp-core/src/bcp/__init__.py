@@ -25,10 +25,12 @@ from bcp.errors import (
 )
 from bcp.layout import Box, FlatShard, TensorShard
 from bcp.storage import LocalStorage, Storage
+from bcp.tools.edit import remove_entries
 from bcp.version import __version__
 
 __all__ = [
-    "save", "load", "wait_pending_saves", "SaveOptions", "LoadOptions", "SaveHandle", "LoadResult", "PhaseStats",
+    "save", "load", "wait_pending_saves", "remove_entries",
+    "SaveOptions", "LoadOptions", "SaveHandle", "LoadResult", "PhaseStats",
     "FrameworkAdapter", "register_adapter",
     "Coordinator", "SingleProcessCoordinator", "TorchCoordinator",
     "Storage", "LocalStorage",

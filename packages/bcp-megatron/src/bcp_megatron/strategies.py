@@ -28,6 +28,7 @@ from bcp_megatron.common_state import SafeCommonLoadStrategy
 from bcp_megatron.completion import completion_request
 from bcp_megatron.errors import as_megatron_errors
 from bcp_megatron.load import BcpLoader, read_manifest, sharded_metadata, tensors_metadata
+from bcp_megatron.removal import remove_sharded
 from bcp_megatron.saving import DEFAULT_IO_THREADS, BcpSaver
 from bcp_megatron.version import BACKEND, VERSION
 
@@ -89,6 +90,12 @@ class BcpLoadShardedStrategy(LoadShardedStrategy):
     @as_megatron_errors()
     def load_sharded_metadata(self, checkpoint_dir: "str | os.PathLike") -> ShardedStateDict:
         return sharded_metadata(read_manifest(checkpoint_dir))
+
+    @as_megatron_errors()
+    def remove_sharded_tensors(self, checkpoint_dir: "str | os.PathLike", key_prefix: str) -> None:
+        """Drop the ShardedTensors and ShardedObjects whose key starts with ``key_prefix``, their
+        bytes included; called by one rank (``bcp_megatron.removal``)."""
+        remove_sharded(checkpoint_dir, key_prefix)
 
     @as_megatron_errors()
     def check_backend_compatibility(self, loaded_backend: str) -> None:

@@ -30,6 +30,7 @@ from bcp_megatron.common_state import is_bcp_checkpoint
 from bcp_megatron.completion import completion_request
 from bcp_megatron.errors import as_megatron_errors
 from bcp_megatron.load import BcpLoader, read_manifest, sharded_metadata, tensors_metadata
+from bcp_megatron.removal import remove_sharded
 from bcp_megatron.saving import DEFAULT_IO_THREADS, BcpSaver
 from bcp_megatron.version import BACKEND, VERSION
 
@@ -94,6 +95,12 @@ class BcpLoadShardedStrategy(TorchDistLoadShardedStrategy):
         if not is_bcp_checkpoint(checkpoint_dir):
             return super().load_sharded_metadata(checkpoint_dir)
         return sharded_metadata(read_manifest(checkpoint_dir))
+
+    @as_megatron_errors()
+    def remove_sharded_tensors(self, checkpoint_dir: "str | os.PathLike", key_prefix: str) -> None:
+        if not is_bcp_checkpoint(checkpoint_dir):
+            return super().remove_sharded_tensors(checkpoint_dir, key_prefix)
+        remove_sharded(checkpoint_dir, key_prefix)
 
 
 class FullyParallelSaveStrategyWrapper(fully_parallel.FullyParallelSaveStrategyWrapper):

@@ -15,7 +15,7 @@ from bcp.api.location import resolve
 from bcp.api.results import PhaseStats
 from bcp.api.writing import write_generation
 from bcp.coord import SingleProcessCoordinator
-from bcp.engine.location import generation_dir
+from bcp.engine.location import Location, generation_dir
 from bcp.engine.writer import GenerationWriter
 from bcp.errors import CheckpointError
 from bcp.layout.box import Box
@@ -69,15 +69,19 @@ class ValueSource:
                 for i, (data, tree_nbytes) in enumerate(self.records)]
 
 
-def write_checkpoint(out: "str | os.PathLike", pieces: Sequence[PieceSource], values: Sequence[ValueSource], *,
-                     note: str, framework: str = "plain", world_size: int = 1, aliases: Mapping[str, str] | None = None,
-                     unsafe_pickle: bool = False, sources: Sequence["str | os.PathLike"] = (),
-                     progress: Progress | None = None, io_threads: int = 1) -> int:
+def write_checkpoint(out: "str | os.PathLike | Location", pieces: Sequence[PieceSource],
+                     values: Sequence[ValueSource], *, note: str, framework: str = "plain", world_size: int = 1,
+                     aliases: Mapping[str, str] | None = None, unsafe_pickle: bool = False,
+                     sources: Sequence["str | os.PathLike"] = (), progress: Progress | None = None,
+                     io_threads: int = 1) -> int:
     """Write a committed checkpoint at ``out`` (a new or empty folder, apart from every ``sources``
-    path) and return its generation. ``aliases`` (name -> name of a piece's tensor) add entries that
-    share another tensor's stored bytes, as tied weights do. A failure removes what was written.
-    Memory holds about one piece per writer thread (``io_threads``, by default one)."""
-    location = resolve(check_new_output(out, sources), None)
+    path; or the location of an existing checkpoint, whose newest generation it becomes, with that
+    location's retention after the commit) and return its generation. ``aliases`` (name -> name of a
+    piece's tensor) add entries that share another tensor's stored bytes, as tied weights do. A
+    failure removes what was written (never a committed generation). Memory holds about one piece
+    per writer thread (``io_threads``, by default one)."""
+    new_output = not isinstance(out, Location)
+    location = resolve(check_new_output(out, sources), None) if new_output else out
     generation = location.claim_next_generation()
     columns = PlanColumns([_local_plan(pieces)])
     global_plan(columns)  # checks that the pieces agree on dtype and shape and cover every tensor exactly
@@ -97,9 +101,9 @@ def write_checkpoint(out: "str | os.PathLike", pieces: Sequence[PieceSource], va
         write_generation(SingleProcessCoordinator(), GenerationWriter(location, generation, threads=io_threads),
                          writes, [w for v in values for w in v.writes()], manifest_of, PhaseStats(), progress.advance)
     except BaseException:
-        # the output was new or empty, so the claim is ours alone: leave nothing behind
-        location.storage.delete_tree(f"{location.prefix}{generation_dir(generation)}")
-        raise
+        if new_output:  # the output was new or empty, so the claim is ours alone: leave nothing behind
+            location.storage.delete_tree(f"{location.prefix}{generation_dir(generation)}")
+        raise  # (in an existing checkpoint write_generation has discarded an uncommitted generation)
     finally:
         progress.finish()
     return generation

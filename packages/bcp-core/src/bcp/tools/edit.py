@@ -1,13 +1,17 @@
 """``bcp edit``: a new checkpoint from an existing one with entries renamed or dropped and tensors
-cast, shard by shard (or tensor by tensor with ``consolidate``); the source is only read."""
+cast, shard by shard (or tensor by tensor with ``consolidate``); the source is only read. And
+``remove_entries``, the same rewrite into the checkpoint itself (Megatron's pruning of keys)."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
 
 import torch
 
+from bcp.engine.location import Location
+from bcp.errors import MismatchError
 from bcp.layout.box import Box
 from bcp.layout.dtypes import dtype_from_name
 from bcp.layout.manifest import TensorEntry
@@ -39,6 +43,36 @@ def edit_checkpoint(src: "str | os.PathLike", out: "str | os.PathLike", *, role:
     checkpoint = open_checkpoint(src, role=role)
     manifest = checkpoint.manifest
     names = rules.apply([*manifest.tensors, *manifest.objects])
+    return _write_edited(checkpoint, names, out, casts=casts, consolidate=consolidate, progress=progress,
+                         sources=[checkpoint.location.storage.root])
+
+
+def remove_entries(path: "str | os.PathLike", names: Iterable[str], *, role: str | None = None,
+                   progress: Progress | None = None) -> EditResult:
+    """Remove the entries ``names`` (tensors or values, full names) from the checkpoint at ``path``,
+    their stored bytes included: the only tool that changes its input.
+
+    The rest is rewritten as a new generation of ``path``, as saved (shards, per-rank values, shared
+    bytes); once it is committed every older generation is removed. Interrupted before that commit,
+    the checkpoint is the unedited one; after it, the edited one (the next save's retention removes
+    the older generations left). Not while another process saves to ``path``.
+    """
+    checkpoint = open_checkpoint(path, role=role)
+    manifest = checkpoint.manifest
+    removed = set(names)
+    unknown = sorted(removed - manifest.tensors.keys() - manifest.objects.keys())
+    if unknown:
+        raise MismatchError(f"cannot remove {', '.join(map(repr, unknown))}: no such entry", path=checkpoint.path)
+    kept = {name: name for name in [*manifest.tensors, *manifest.objects] if name not in removed}
+    return _write_edited(checkpoint, kept, replace(checkpoint.location, keep_generations=1), casts=CastRules(),
+                         consolidate=False, progress=progress, sources=())
+
+
+def _write_edited(checkpoint: Checkpoint, names: dict[str, str], out: "str | os.PathLike | Location", *,
+                  casts: CastRules, consolidate: bool, progress: Progress | None,
+                  sources: Sequence[str]) -> EditResult:
+    """Write the entries ``names`` (source name -> new name) of ``checkpoint`` to ``out``."""
+    manifest = checkpoint.manifest
     pieces: list[PieceSource] = []
     aliases: dict[str, str] = {}
     written: dict[tuple, str] = {}  # stored bytes and target dtype -> new name of the tensor written from them
@@ -55,10 +89,9 @@ def edit_checkpoint(src: "str | os.PathLike", out: "str | os.PathLike", *, role:
     values = [_copied(checkpoint, name, names[name]) for name in manifest.objects if name in names]
     generation = write_checkpoint(
         out, pieces, values, note="edited", framework=manifest.framework, world_size=manifest.world_size,
-        aliases=aliases, unsafe_pickle=manifest.unsafe_pickle, sources=[checkpoint.location.storage.root],
-        progress=progress)
+        aliases=aliases, unsafe_pickle=manifest.unsafe_pickle, sources=sources, progress=progress)
     kept = len(written) + len(aliases)
-    return EditResult(os.fspath(out), generation, kept, len(values),
+    return EditResult(out.display if isinstance(out, Location) else os.fspath(out), generation, kept, len(values),
                       len(manifest.tensors) + len(manifest.objects) - kept - len(values))
 
 
