@@ -182,15 +182,20 @@ def test_interrupted_removal_leaves_a_loadable_checkpoint(ranks, tmp_path, fault
     assert main(["verify", path]) == 0
 
 
-def remove_through_url(path: str) -> list[str]:
-    """The strategy called directly, with the checkpoint as a ``file://`` URL (any storage bcp reads)."""
+def remove_through_url(path: str, torch_dist_named: bool) -> list[str]:
+    """The strategy called directly: bcp's, with the checkpoint as a ``file://`` URL (any storage bcp
+    reads), or the one standing in for torch_dist's by name (Megatron-LM 0.17), with the folder."""
     from megatron.core.dist_checkpointing import load_tensors_metadata, save
+
+    from bcp_megatron.strategies_torch_dist import BcpLoadShardedStrategy as TorchDistNamed
 
     rank, world = dist.get_rank(), dist.get_world_size()
     with parallel():
         save(_state(rank, world), path, sharded_strategy=("bcp", 1))
         dist.barrier()
-        if rank == 0:
+        if rank == 0 and torch_dist_named:
+            TorchDistNamed().remove_sharded_tensors(path, "prefix")
+        elif rank == 0:
             bcp_megatron.BcpLoadShardedStrategy().remove_sharded_tensors(Path(path).as_uri(), "prefix")
         dist.barrier()
         keys = sorted(load_tensors_metadata(path))
@@ -198,8 +203,9 @@ def remove_through_url(path: str) -> list[str]:
     return keys
 
 
-def test_removal_through_a_url(ranks, tmp_path):
+@pytest.mark.parametrize("torch_dist_named", [False, True], ids=["url", "torch-dist-named"])
+def test_removal_through_a_url(ranks, tmp_path, torch_dist_named):
     path = str(tmp_path / "ckpt")
     os.makedirs(path)
-    assert ranks(2).run(remove_through_url, path) == [["keyA"], ["keyA"]]
+    assert ranks(2).run(remove_through_url, path, torch_dist_named) == [["keyA"], ["keyA"]]
     assert sorted(name for name in os.listdir(path) if name.startswith("gen-")) == ["gen-00000002"]

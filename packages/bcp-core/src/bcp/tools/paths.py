@@ -1,4 +1,5 @@
-"""Where the tools write: always a new place, never the source (a tool never modifies its input).
+"""Where the tools write: always a new place, never the source (no command modifies its input; only
+``bcp.remove_entries``, called from Python, rewrites a checkpoint in place).
 
 A bcp checkpoint the tools write (``edit``, ``convert --from``) may go to any storage URL, as its
 source may come from one. Files in other formats (safetensors exports, DCP folders) are written with
