@@ -140,6 +140,18 @@ def _destroy_with_groups(*args, **kwargs):
 _parallel_state.initialize_model_parallel = _initialize_tracking_groups
 _parallel_state.destroy_model_parallel = _destroy_with_groups
 
+# Without Apex or Transformer Engine, Megatron builds torch's Adam/AdamW, which refuse the lr=None
+# of the suite's mock arguments; Apex's FusedAdam, the suite's usual optimizer, takes it (the
+# learning-rate scheduler sets each param group's lr): None stands for torch's default here.
+def _lr_may_be_none(init):
+    def construct(self, params, lr=1e-3, *args, **kwargs):
+        return init(self, params, 1e-3 if lr is None else lr, *args, **kwargs)
+    return construct
+
+
+for _adam in (torch.optim.Adam, torch.optim.AdamW):
+    _adam.__init__ = _lr_may_be_none(_adam.__init__)
+
 # Megatron-Core 0.16.1's remove_sharded_tensors uses FileSystemWriter.metadata_path, which newer
 # torch (2.13 here) has as _get_metadata_path(): a torch-version stand-in, for both backends.
 from torch.distributed.checkpoint import FileSystemWriter

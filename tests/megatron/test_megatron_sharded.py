@@ -278,6 +278,37 @@ def test_irregular_pieces_with_a_gap_hidden_by_an_overlap_are_refused(ranks, tmp
         assert outcome.startswith("MismatchError") and "offsets [4] with lengths [1] are held by no shard" in outcome
 
 
+def save_logging_at_info(path: str) -> list[tuple[str, int]]:
+    """A save through Megatron with the root logger at INFO (as Megatron-LM's training module sets
+    it): what reached the root's handlers, as Megatron-Core's test_exact_load_handling sees it."""
+    import logging
+
+    from megatron.core import dist_checkpointing
+
+    class Kept(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, int]] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.seen.append((record.name, record.levelno))
+
+    root, kept = logging.getLogger(), Kept()
+    level = root.level
+    root.setLevel(logging.INFO)
+    root.addHandler(kept)
+    try:
+        dist_checkpointing.save(sharded_state(dist.get_rank()), path, sharded_strategy=("bcp", 1))
+    finally:
+        root.removeHandler(kept)
+        root.setLevel(level)
+    return [seen for seen in kept.seen if seen[0].startswith("bcp")]
+
+
+def test_a_save_logs_its_summary_at_debug_as_megatron_core_does(ranks, tmp_path):
+    assert ranks(2).run(save_logging_at_info, str(tmp_path)) == [[], []]
+
+
 def save_with_metrics(path: str) -> list | None:
     from megatron_parts import parallel
 

@@ -37,6 +37,13 @@ def test_save_and_load_records_in_python_log_and_logger(tmp_path, caplog):
     assert all("GB/s" in line and "blocking" in line for line in summaries)
 
 
+def test_the_summary_line_takes_the_level_it_is_given(tmp_path, caplog):
+    with caplog.at_level(logging.DEBUG, logger="bcp"):
+        bcp.save(tmp_path, {"model": {"w": torch.ones(4)}}, summary_log_level=logging.DEBUG)
+    summaries = [r for r in caplog.records if r.name == "bcp" and "bcp save" in r.getMessage()]
+    assert [r.levelno for r in summaries] == [logging.DEBUG]
+
+
 def test_false_turns_the_log_off_and_a_path_redirects_it(tmp_path):
     bcp.save(tmp_path / "a", {"model": {"w": torch.ones(4)}}, metrics_log=False)
     assert sorted(os.listdir(tmp_path / "a")) == ["gen-00000001"]

@@ -4,6 +4,7 @@ included, cover it exactly)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import bcp
@@ -29,8 +30,11 @@ class BcpSaver:
         values = save_values(sharded_state_dict)
         # Both components on every rank, so the manifest names Megatron whichever rank commits.
         state = {component: MegatronValues(values.get(component, {})) for component in COMPONENTS}
+        # Megatron-Core logs its strategies' routine work at DEBUG (Megatron-LM prints its own line
+        # per save): bcp's summary follows, so a Megatron log at INFO gets nothing new from a save.
         return bcp.save(checkpoint_dir, state, self.options, framework=ADAPTER_NAME, async_save=async_save,
-                        coordinator=coord, topology=self.options.topology or parallel_topology())
+                        coordinator=coord, topology=self.options.topology or parallel_topology(),
+                        summary_log_level=logging.DEBUG)
 
 
 def parallel_topology() -> dict[str, int] | None:

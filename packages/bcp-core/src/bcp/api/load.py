@@ -53,7 +53,8 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
     check_keys(state)
     coord = as_coordinator(options.coordinator)
     stats = PhaseStats()
-    monitor = Monitor("load", coord.rank, coord.world_size, stats, options.topology, options.metrics_log)
+    monitor = Monitor("load", coord.rank, coord.world_size, stats, options.topology, options.metrics_log,
+                      options.summary_log_level)
     try:
         return _load(path, state, options, coord, monitor)
     except BaseException as exc:

@@ -116,9 +116,9 @@ class Monitor:
     """An operation's record in the making, on every rank; the coordinating rank (rank 0) finishes it."""
 
     def __init__(self, op: str, rank: int, world_size: int, stats: PhaseStats, topology: Mapping[str, int] | None,
-                 metrics_log: "bool | str | os.PathLike") -> None:
+                 metrics_log: "bool | str | os.PathLike", summary_level: int = logging.INFO) -> None:
         self.op, self.rank, self.world_size, self.stats = op, rank, world_size, stats
-        self.topology, self.metrics_log = topology, metrics_log
+        self.topology, self.metrics_log, self.summary_level = topology, metrics_log, summary_level
         self.start = time.time()
         self.blocking_seconds: float | None = None
         self.location: Location | None = None
@@ -173,8 +173,9 @@ class Monitor:
                                         blocking, error is None, failed_phase, error, ranks)
         if error is None:
             rate = record.bytes / seconds / 1e9 if seconds > 0 else 0.0
-            logger.info("bcp %s %s generation %s: %d bytes in %.3f s (%.2f GB/s), blocking %.3f s, %d rank(s)",
-                        self.op, path, self.generation, record.bytes, seconds, rate, blocking, self.world_size)
+            logger.log(self.summary_level,
+                       "bcp %s %s generation %s: %d bytes in %.3f s (%.2f GB/s), blocking %.3f s, %d rank(s)",
+                       self.op, path, self.generation, record.bytes, seconds, rate, blocking, self.world_size)
         else:
             logger.warning("bcp %s %s generation %s failed in phase %s: %s", self.op, path, self.generation,
                            failed_phase, error)

@@ -5,6 +5,7 @@ instead of repeating keyword lists. ``bcp.save(path, state, async_save=True)`` a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
@@ -40,6 +41,10 @@ class _CommonOptions:
     """Where the coordinating rank logs the operation's metrics record (one JSON line): beside the
     checkpoints, under ``<path>/bcp-metrics/`` (``True``, the default), appended to the given local
     file, or nowhere (``False``)."""
+    summary_log_level: int = logging.INFO
+    """The level of the one-line summary the coordinating rank logs on the ``bcp`` logger after each
+    operation (a failure is always a WARNING). Integrations whose framework logs routine work at
+    DEBUG (Megatron-Core) pass ``logging.DEBUG``."""
 
     def merged(self: _Options, keywords: Mapping[str, Any]) -> _Options:
         """These options with ``keywords`` replacing fields; an unknown keyword is a TypeError, as

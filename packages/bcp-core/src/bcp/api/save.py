@@ -61,7 +61,8 @@ def save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options:
     check_keys(state)
     coord = as_coordinator(options.coordinator)
     stats = PhaseStats()
-    monitor = Monitor("save", coord.rank, coord.world_size, stats, options.topology, options.metrics_log)
+    monitor = Monitor("save", coord.rank, coord.world_size, stats, options.topology, options.metrics_log,
+                      options.summary_log_level)
     with paused_gc():
         try:
             return _save(path, state, options, coord, runtime(), stats, monitor)
