@@ -41,7 +41,8 @@ def run(tree: Path, backend: str, tests: list[str], nproc: int, timeout_s: int, 
     (results / "tmp").mkdir(parents=True)  # the ranks' basetemps go below it
     sources = [str(ROOT / "packages" / p / "src") for p in ("bcp-core", "bcp-megatron")]
     env = {**os.environ, "BCP_SUITE_BACKEND": backend, "BCP_SUITE_RESULTS": str(results), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(tree), str(HERE), *sources, os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(tree), str(HERE), str(ROOT / "tests" / "megatron"), *sources,
+                                          os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "pytest", "-p", "megatron_suite_cpu", "-p", "no:cacheprovider",
                # not the tree's addopts, whose -x would leave the other ranks waiting on a stopped one

@@ -152,6 +152,32 @@ def _lr_may_be_none(init):
 for _adam in (torch.optim.Adam, torch.optim.AdamW):
     _adam.__init__ = _lr_may_be_none(_adam.__init__)
 
+# Megatron's DDP and DistributedOptimizer without Apex or Transformer Engine on the CPU (CUDA type
+# names, device='cuda' bookkeeping, the MoE router's GEMM, Adam's per-parameter 'step'): the
+# project's own test stand-ins (tests/megatron/megatron_parts.py, on the path megatron_suite.py
+# gives), held for the whole run.
+from megatron_parts import cpu_megatron_optimizer
+
+_STAND_INS = contextlib.ExitStack()  # kept: collected, it would close the stand-ins' generator
+_STAND_INS.enter_context(cpu_megatron_optimizer())
+
+# Megatron's torch-optimizer path reads a 'step' from every parameter's state (distrib_optimizer.py:641
+# in 0.16.1), which torch's Adam writes only when it steps; the suite saves optimizers whose states
+# Megatron's init_state_fn made without one. Never stepped is step 0.
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as _DistributedOptimizer
+
+_optimizer_state_dict = _DistributedOptimizer.state_dict
+
+
+def _state_dict_with_steps(self):
+    for state in self.optimizer.state.values():
+        if state:
+            state.setdefault("step", torch.tensor(0.0))
+    return _optimizer_state_dict(self)
+
+
+_DistributedOptimizer.state_dict = _state_dict_with_steps
+
 # Megatron-Core 0.16.1's remove_sharded_tensors uses FileSystemWriter.metadata_path, which newer
 # torch (2.13 here) has as _get_metadata_path(): a torch-version stand-in, for both backends.
 from torch.distributed.checkpoint import FileSystemWriter
