@@ -8,6 +8,7 @@ pieces are copied to host buffers), then the writer door (write, commit)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -162,17 +163,17 @@ def _collected(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
 
 @dataclass(frozen=True, slots=True)
 class _Proposal:
-    """A rank's word on the plan: whether its cached plan still fits, (rank 0) the generation, the
-    checkpoint it names and what it declares of its dataloader parts (the last two checked by every
-    rank before anything is written)."""
+    """A rank's word on the plan: whether its cached plan still fits, (rank 0) the generation, a
+    digest of the checkpoint it names and what it declares of its dataloader parts (the last two
+    checked by every rank before anything is written)."""
 
     cache_hit: bool
     generation: int | None
-    target: str
+    target_digest: int
     dataloader: list[int] | None
 
     def to_wire(self) -> list[Any]:
-        return [self.cache_hit, self.generation, self.target, self.dataloader]
+        return [self.cache_hit, self.generation, self.target_digest, self.dataloader]
 
     @staticmethod
     def from_wire(wire: list[Any]) -> "_Proposal":
@@ -194,11 +195,12 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
         if collected.error is not None:
             raise collected.error
         return _Proposal(hit is not None, location.claim_next_generation() if coord.rank == 0 else None,
-                         location.target, collected.value.dataloader).to_wire()
+                         _digest(location.target), collected.value.dataloader).to_wire()
 
     proposals = [_Proposal.from_wire(wire) for wire in all_agree(coord, Outcome.of(propose), what)]
     try:  # every rank holds every proposal, so every rank raises the same error here
-        _check_one_target([proposal.target for proposal in proposals])
+        if len({proposal.target_digest for proposal in proposals}) > 1:  # every rank sees it: collective
+            _refuse_targets(all_agree(coord, Outcome(location.target), what))
         check_writers([proposal.dataloader for proposal in proposals])
     except CheckpointError as exc:
         raise exc.at(location.display)
@@ -218,14 +220,19 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
     return generation, planned
 
 
-def _check_one_target(targets: list[str]) -> None:
+def _digest(target: str) -> int:
+    """The checkpoint a rank names, in 8 bytes: what every save's plan exchange carries (the names
+    themselves travel only when the digests differ)."""
+    return int.from_bytes(hashlib.blake2b(target.encode(), digest_size=8).digest(), "big")
+
+
+def _refuse_targets(targets: list[str]) -> None:
     """Every rank must name the same checkpoint: ranks writing their shares to different places would
     commit a generation whose files are elsewhere (found only when it is loaded)."""
-    if len(set(targets)) > 1:
-        named = {target: [rank for rank, t in enumerate(targets) if t == target] for target in targets}
-        listed = "; ".join(f"ranks {ranks}: {target}" for target, ranks in named.items())
-        raise CheckpointError(f"the ranks of one save name different checkpoints ({listed}): every rank "
-                              "must pass the same path or URL (and role)")
+    named = {target: [rank for rank, t in enumerate(targets) if t == target] for target in targets}
+    listed = "; ".join(f"ranks {ranks}: {target}" for target, ranks in named.items())
+    raise CheckpointError(f"the ranks of one save name different checkpoints ({listed}): every rank "
+                          "must pass the same path or URL (and role)")
 
 
 def _manifest_builder(generation: int, framework: str, plan: CachedPlan) -> Callable[[list[RankWrites]], Manifest]:
