@@ -17,6 +17,7 @@ import sys
 import types
 
 import torch
+from megatron_parts import cpu_megatron_optimizer, cuda_runtime_on_cpu
 
 BACKEND = os.environ["BCP_SUITE_BACKEND"]
 RESULTS = os.environ["BCP_SUITE_RESULTS"]
@@ -40,28 +41,11 @@ def _init_gloo(backend: str | None = None, *args, **kwargs):
 torch.distributed.init_process_group = _init_gloo
 torch.cuda.set_device = lambda device: None
 torch.cuda.device_count = lambda: 1
-torch.cuda.current_device = lambda: 0
-torch.cuda.synchronize = lambda device=None: None
-# The CUDA generator, whose state Megatron checkpoints (get_rng_state), is a CPU generator of its own.
-_cuda_generator = torch.Generator()
-torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = lambda device=_CUDA: _cuda_generator.get_state()
-torch.cuda.set_rng_state = torch.cuda.random.set_rng_state = (
-    lambda state, device=_CUDA: _cuda_generator.set_state(state))
-torch.cuda.manual_seed = lambda seed: _cuda_generator.manual_seed(seed)
-
-
-class _NoStream:
-    """Megatron-LM's get_model builds DDP on a side stream; on the CPU there is one order of work."""
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-
-torch.cuda.Stream = lambda *args, **kwargs: _NoStream()
-torch.cuda.current_stream = lambda device=None: _NoStream()
-torch.cuda.stream = lambda stream: contextlib.nullcontext()
-# Tensors and modules the tests move to the GPU stay on the CPU.
-torch.Tensor.cuda = lambda self, *args, **kwargs: self
+# The CUDA generator and streams: the project's own test stand-ins (tests/megatron/megatron_parts.py,
+# on the path megatron_suite.py gives); its DistributedOptimizer ones, below, also keep
+# torch.cuda.current_device, synchronize and Tensor.cuda on the CPU.
+cuda_runtime_on_cpu()
+# Modules the tests move to the GPU stay on the CPU.
 torch.nn.Module.cuda = lambda self, *args, **kwargs: self
 
 
@@ -154,10 +138,7 @@ for _adam in (torch.optim.Adam, torch.optim.AdamW):
 
 # Megatron's DDP and DistributedOptimizer without Apex or Transformer Engine on the CPU (CUDA type
 # names, device='cuda' bookkeeping, the MoE router's GEMM, Adam's per-parameter 'step'): the
-# project's own test stand-ins (tests/megatron/megatron_parts.py, on the path megatron_suite.py
-# gives), held for the whole run.
-from megatron_parts import cpu_megatron_optimizer
-
+# project's own test stand-ins, held for the whole run.
 _STAND_INS = contextlib.ExitStack()  # kept: collected, it would close the stand-ins' generator
 _STAND_INS.enter_context(cpu_megatron_optimizer())
 

@@ -7,7 +7,6 @@ together with ``megatron_parts.cpu_megatron_optimizer`` (Megatron-Core's DDP and
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import types
@@ -27,29 +26,18 @@ CUDA_TENSOR_MODULES = (
 )
 
 
-class NoStream:
-    def wait_stream(self, stream: NoStream) -> None:
-        pass
-
-
 def run_on_cpu() -> None:
     from megatron.training import initialize, training
-    from megatron_parts import prime_for_load, restore_steps, torch_on_cpu
+    from megatron_parts import cuda_runtime_on_cpu, prime_for_load, restore_steps, torch_on_cpu
 
-    cuda_generator = torch.Generator()  # stands in for the CUDA generator, whose state is checkpointed
-    torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = lambda device="cuda": cuda_generator.get_state()
-    torch.cuda.set_rng_state = lambda state, device="cuda": cuda_generator.set_state(state)
-    torch.cuda.manual_seed = lambda seed: cuda_generator.manual_seed(seed)
+    cuda_runtime_on_cpu()
     # initialize_megatron builds Megatron's process groups and RNG tracker only when it sees a device
     torch.cuda.device_count = lambda: 1
     torch.cuda.set_device = lambda device: None
     # validate_args asks for the GPU generation (TP then needs CUDA_DEVICE_MAX_CONNECTIONS=1, set by the test)
     torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(major=0, minor=0)
-    # get_model moves the model to "the device" and builds DDP on a side stream
+    # get_model moves the model to "the device"
     torch.nn.Module.cuda = lambda self, device=None: self
-    torch.cuda.Stream = NoStream
-    torch.cuda.current_stream = lambda device=None: NoStream()
-    torch.cuda.stream = lambda stream: contextlib.nullcontext()
     for name in CUDA_TENSOR_MODULES:
         importlib.import_module(name).torch = torch_on_cpu()
     # pretrain() asserts CUDA unless told otherwise, and warms up fused kernels with CUDA tensors

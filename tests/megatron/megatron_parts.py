@@ -126,6 +126,30 @@ def raised(call) -> tuple:
     return ("nothing raised",)
 
 
+class NoStream:
+    """A CUDA stream on the CPU, where there is one order of work."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: NoStream) -> None:
+        pass
+
+
+def cuda_runtime_on_cpu() -> None:
+    """Patches this process for good: the CUDA generator, whose state Megatron checkpoints
+    (``get_rng_state``), is a CPU generator of its own, and streams are no-ops (Megatron-LM's
+    ``get_model`` builds DDP on a side stream)."""
+    generator = torch.Generator()
+    torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = lambda device="cuda": generator.get_state()
+    torch.cuda.set_rng_state = torch.cuda.random.set_rng_state = (
+        lambda state, device="cuda": generator.set_state(state))
+    torch.cuda.manual_seed = lambda seed: generator.manual_seed(seed)
+    torch.cuda.Stream = NoStream
+    torch.cuda.current_stream = lambda device=None: NoStream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+
+
 def rank() -> int:
     return dist.get_rank()
 
