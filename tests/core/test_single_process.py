@@ -313,3 +313,17 @@ def test_large_shard_is_read_in_parts_and_each_part_verified(tmp_path, monkeypat
     first = 9_000_000 // chunk * chunk
     with pytest.raises(bcp.CorruptCheckpointError, match=rf"at bytes \[{first}, {min(first + chunk, 12_000_000)}\)"):
         bcp.load(tmp_path, {"model": out})
+
+
+def test_the_staging_pool_hands_out_a_free_buffer_that_is_not_the_first():
+    # It removed the chosen buffer with list.remove, which compares tensors with ==: with buffers of
+    # different sizes free, an async save failed ("The size of tensor a (3584) must match ...").
+    from bcp.engine.staging import HostBufferPool
+
+    pool = HostBufferPool(max_sets=2)
+    large, small = pool.acquire(4096), pool.acquire(1024)
+    pool.release(large)
+    pool.release(small)
+    assert pool.acquire(512) is small  # the smallest that fits, second in the free list
+    assert pool.acquire(8192).numel() == 8192  # nothing fits: the other free buffer is dropped
+    assert pool.allocated_bytes == 1024 + 8192

@@ -41,14 +41,11 @@ class HostBufferPool:
             while self._in_use >= self.max_sets:
                 self._cond.wait()
             self._in_use += 1
-            fitting = [b for b in self._free if b.numel() >= nbytes]
-            if fitting:
-                buffer = min(fitting, key=torch.Tensor.numel)
-                self._free.remove(buffer)
-                return buffer
+            fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fitting:  # by position: list.remove would compare tensors with ==, element by element
+                return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
             if self._free:  # too small to reuse: give its memory back before allocating
-                dropped = min(self._free, key=torch.Tensor.numel)
-                self._free.remove(dropped)
+                dropped = self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
                 self._allocated -= dropped.numel()
             self._allocated += nbytes
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=_pin())
