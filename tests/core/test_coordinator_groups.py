@@ -1,6 +1,10 @@
 """TorchCoordinator over process groups the job creates and destroys: bcp's gloo side groups live
 as long as those groups (threads and open files stay flat over many re-creations), and only a
-group's members take part in building them (each data-parallel group saves on its own)."""
+group's members take part in building them (each data-parallel group saves on its own).
+
+Guards a past defect: bcp kept a side group per parent group, keyed by the parent's ``id()``, and never
+destroyed it, so a loop that re-created its group grew its thread count each cycle and hung in its
+third save."""
 
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ def settled(expected: dict) -> dict:
 
 
 def recreated_groups(path: str) -> dict:
-    """The loop of issue 20.4: a group created, saved through (sync and async), destroyed."""
+    """A job that re-creates its process group (elastic restarts, Megatron's re-initialization): a group
+created, saved through (sync and async), destroyed, again and again."""
     bcp.save(path, state(-1.0), async_save=True).wait()  # warm: the background lane, the world's side groups
     before = resources()
     during = []

@@ -1,8 +1,12 @@
-"""Forged metadata (issue 19, item 8): every field of the manifest, the shard table, the commit
+"""Forged metadata: every field of the manifest, the shard table, the commit
 marker and value records is checked for type and range when it is parsed, and claimed sizes are
 compared with what exists before anything is allocated. Each forgery is signed (the marker matches
 the forged manifest), so it reaches the parser; each must fail with a ``CheckpointError`` naming
-the checkpoint (or, in ``verify``, be reported as a problem), never another exception."""
+the checkpoint (or, in ``verify``, be reported as a problem), never another exception.
+
+Guards past defects: shapes beyond int64 raised ``OverflowError``, deep JSON ``RecursionError``,
+fields of the wrong type ``ValueError``/``TypeError``, and claimed sizes (a 4 TiB value, a table of
+``2**20`` dimensions, a 1 GiB value record) were allocated before anything noticed they were false."""
 
 from __future__ import annotations
 

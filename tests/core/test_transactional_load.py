@@ -1,6 +1,9 @@
 """A load that fails (a damaged byte found by its checksum) leaves the live state exactly as it was,
-so a training loop can catch the error and go on (issue 19, item 2); ``transactional=False`` trades
-that for one copy less, and then the error is all that protects the caller."""
+so a training loop can catch the error and go on; ``transactional=False`` trades that for one copy
+less, and then the error is all that protects the caller.
+
+Guards a past defect: a load that failed its checksum left the corrupted bytes (or a mix of old and
+new) in the live tensors."""
 
 from __future__ import annotations
 
