@@ -13,7 +13,7 @@ import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 FOLDERS = ("docs", "tests", "benchmarks", "packages")
-#: "issue 19", "issue #19", "session 4", "session-4": the references a user cannot follow.
+#: "issue", "issue #" or "session" followed by a number: references a user cannot follow.
 WORK_LOG = r"session[ -][0-9]|issue #?[0-9]"
 
 
