@@ -9,6 +9,7 @@ from bcp.adapters.dataloader import DataloaderState, PartKey, ShardedDataloader,
 from bcp.adapters.distributed_sampler import ResumableDistributedSampler
 from bcp.adapters.token_stream import TokenStreamLoader
 from bcp.api import LoadOptions, LoadResult, PhaseStats, SaveHandle, SaveOptions, load, save, wait_pending_saves
+from bcp.api.runtime import shutdown
 from bcp.coord import Coordinator, SingleProcessCoordinator, TorchCoordinator
 from bcp.errors import (
     AdapterError,
@@ -19,6 +20,7 @@ from bcp.errors import (
     DistributedError,
     FormatVersionError,
     MismatchError,
+    SaveAbandonedError,
     StorageError,
     UnsafeCheckpointError,
     UnsupportedValueError,
@@ -29,7 +31,7 @@ from bcp.tools.edit import remove_entries
 from bcp.version import __version__
 
 __all__ = [
-    "save", "load", "wait_pending_saves", "remove_entries",
+    "save", "load", "wait_pending_saves", "shutdown", "remove_entries",
     "SaveOptions", "LoadOptions", "SaveHandle", "LoadResult", "PhaseStats",
     "FrameworkAdapter", "register_adapter",
     "Coordinator", "SingleProcessCoordinator", "TorchCoordinator",
@@ -37,7 +39,7 @@ __all__ = [
     "Box", "TensorShard", "FlatShard",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointNotCommittedError", "CorruptCheckpointError",
     "FormatVersionError", "MismatchError", "StorageError", "UnsupportedValueError", "UnsafeCheckpointError",
-    "AdapterError", "DistributedError",
+    "AdapterError", "DistributedError", "SaveAbandonedError",
     "__version__",
     "DataloaderState", "ShardedDataloader", "PartKey", "assign_parts", "TokenStreamLoader",
     "ResumableDistributedSampler",

@@ -19,7 +19,7 @@ import torch
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import chunk_crcs
 from bcp.engine.location import Location, data_file_name
-from bcp.errors import CheckpointError, StorageError
+from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.write_plan import PieceWrite, ValueWrite
 from bcp.layout.write_report import PieceRecord, RankWrites, ValueRecord, WrittenPieces
@@ -39,11 +39,13 @@ class GenerationWriter:
     """Generation ``generation`` at ``location``, being written."""
 
     def __init__(self, location: Location, generation: int, *, threads: int,
-                 chunk: int = DEFAULT_CHECKSUM_CHUNK) -> None:
+                 chunk: int = DEFAULT_CHECKSUM_CHUNK, abandon: threading.Event | None = None) -> None:
         self.location = location
         self.generation = generation
         self.threads = threads
         self.chunk = chunk
+        #: Once set, the writes stop before their next piece and fail with SaveAbandonedError.
+        self.abandon = abandon
 
     def write_rank(self, rank: int, pieces: Sequence[PieceWrite], values: Sequence[ValueWrite],
                    on_written: Callable[[int], None] | None = None) -> RankWrites:
@@ -85,6 +87,9 @@ class GenerationWriter:
         def stream() -> Iterator[memoryview]:
             offset = 0
             for item in items:
+                if self.abandon is not None and self.abandon.is_set():
+                    raise SaveAbandonedError(f"the save of generation {self.generation} was abandoned "
+                                             f"before {name} was complete", path=self.location.display)
                 if item.piece is not None:
                     write = item.piece
                     data = byte_view(host_contiguous(_produced(write)))
