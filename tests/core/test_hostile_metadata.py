@@ -59,6 +59,17 @@ def test_fields_of_the_wrong_type_are_refused(ckpt, field, value):
         verify_checkpoint(ckpt)
 
 
+@pytest.mark.parametrize("value", [10**400, -10**400, 10**12])
+def test_a_creation_time_beyond_any_date_is_refused(ckpt, value):
+    """A huge integer ``created_unix`` made load and ``bcp verify`` crash with ``OverflowError``."""
+    forge(ckpt, lambda doc: doc.__setitem__("created_unix", value))
+    with pytest.raises(bcp.CorruptCheckpointError, match="'created_unix' is .* not a time in seconds"):
+        bcp.load(ckpt, empty_state())
+    with pytest.raises(bcp.CorruptCheckpointError, match="created_unix"):
+        verify_checkpoint(ckpt)
+    assert main(["verify", str(ckpt)]) == 1
+
+
 def test_deeply_nested_json_is_refused(ckpt):
     manifest, _, _ = files(ckpt)
     deep = manifest.replace(b'"writer":"', b'"deep":' + b"[" * 5000 + b"]" * 5000 + b',"writer":"', 1)
