@@ -101,7 +101,7 @@ def test_a_second_ctrl_c_abandons_the_pending_save_and_removes_it(zygote, tmp_pa
 
 
 def test_a_save_called_on_rank_0_alone_warns_naming_rank_1(zygote, tmp_path):
-    result = zygote.run("lifecycle_jobs:only_rank_zero_saves", 2, str(tmp_path / "ckpt"), 1.0, 6.0, timeout=60)
+    result = zygote.run("lifecycle_jobs:only_rank_zero_saves", 2, str(tmp_path / "ckpt"), 1.0, 4.0, timeout=60)
     assert result.ranks[0].code == 1 and result.ranks[1].code == 0, result.describe()
     out = result.ranks[0].output
     warning = re.search(r"rank 0 has waited 1s in a checkpoint exchange .* for rank\(s\) 1, which have not "
