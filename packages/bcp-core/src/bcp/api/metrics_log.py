@@ -6,8 +6,8 @@ own per operation needs no read-modify-write, so concurrent savers and loaders n
 interleave each other's records. Each object is created whole (create-if-absent), so a reader sees
 complete records only. A local file the user names instead gets one ``O_APPEND`` write per line.
 
-Beside the checkpoints the log follows the checkpoint's retention: after each committed save, the
-records of operations that started before the oldest generation still kept are removed, so the
+Beside the checkpoints the log follows the checkpoint's retention: each commit, after removing the
+generations it no longer keeps, removes the records of operations on them (``prune_records``), so the
 log holds about ``keep_generations`` save intervals of history, not every operation ever.
 
 Writing the log never fails an operation. A load that cannot write beside the checkpoint it read (a
@@ -42,8 +42,6 @@ def append_record(location: Location, target: "bool | str | os.PathLike", record
         if target is True:
             with _storage_errors_unlogged() if beside_a_load else contextlib.nullcontext():
                 _put_record(location, record, line)
-            if record.get("op") == "save" and record.get("ok"):
-                _prune(location)
         else:
             _append_to_file(os.fspath(target), line)
     except (OSError, CheckpointError) as exc:
@@ -64,8 +62,8 @@ def _put_record(location: Location, record: Mapping[str, Any], line: bytes) -> N
         pass  # the same microsecond and the same random tag: draw another
 
 
-def _prune(location: Location) -> None:
-    """Remove the records of operations on generations older than the oldest one kept (a record
+def prune_records(location: Location) -> None:
+    """After a commit's retention: remove the records of operations on generations older than the oldest one kept (a record
     without a generation: when it started before that generation was claimed)."""
     committed = [g for g in location.generations() if location.is_committed(g)]
     if len(committed) < location.keep_generations:
