@@ -13,6 +13,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from bcp.errors import CheckpointError
+from bcp.storage import is_url
 from bcp.tools import (
     CastRules,
     NameRules,
@@ -241,7 +242,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _detect(src: str) -> str:
-    if "://" in src:  # DCP folders and safetensors files are read from local paths only
+    if is_url(src):  # DCP folders and safetensors files are read from local paths only
         return "bcp"
     if os.path.isfile(os.path.join(src, ".metadata")):
         return "dcp"
