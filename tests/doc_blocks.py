@@ -1,6 +1,6 @@
 """The fenced ``python`` blocks of README.md and docs/*.md, each with its test marker.
 
-Every block is a test (``tests/docs/test_doc_blocks.py``). The line right before a block's fence
+Every block is a test (``tests/project/test_doc_blocks.py``). The line right before a block's fence
 may say how:
 
 - no marker: the block runs as written, in an empty folder, in a fresh namespace;
