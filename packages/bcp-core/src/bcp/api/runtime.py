@@ -1,5 +1,6 @@
 """What one process keeps between saves, in one object with a clear lifetime: the plan cache, the
-host buffers of asynchronous saves and the background lane that commits them in order.
+host buffers of asynchronous saves, the background lane that commits them in order and the staging
+buffers of loads.
 ``reset_runtime()`` (tests, or a job re-creating its process
 groups) waits for pending saves and starts afresh."""
 
@@ -9,6 +10,7 @@ import os
 import threading
 
 from bcp.engine.background import BackgroundLane
+from bcp.engine.load_staging import LoadStagingPool
 from bcp.engine.staging import HostBufferPool
 from bcp.planning.plan_cache import PlanCache
 
@@ -21,11 +23,15 @@ class Runtime:
         #: Two sets: the next save stages into one while the previous one still writes from the other.
         self.buffers = HostBufferPool(max_sets=2)
         self.background = BackgroundLane()
+        #: The last load's staging buffers, which the next load reuses.
+        self.load_staging = LoadStagingPool()
 
     def close(self) -> None:
-        """Wait for every pending save, then release the lane's thread and the cached plans."""
+        """Wait for every pending save, then release the lane's thread, the cached plans and the
+        load staging buffers."""
         self.background.close()
         self.plan_cache.clear()
+        self.load_staging.clear()
 
 
 _current = Runtime()
