@@ -1,7 +1,7 @@
 """What one process keeps for checkpointing, with one owner and one end.
 
-The Runtime holds the plan cache, the host buffers of asynchronous saves and the background lane
-that commits them in order; the coordination it uses (bcp's gloo side groups, gRPC coordinators)
+The Runtime holds the plan cache, the host buffers of asynchronous saves, the background lane
+that commits them in order and the staging buffers of loads; the coordination it uses (bcp's gloo side groups, gRPC coordinators)
 is held by ``bcp.coord`` for the process groups they serve. All of it is released
 
 - when its process group is destroyed (``dist.destroy_process_group()``, with or without a group):
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from bcp.coord import release_connections
 from bcp.engine.background import BackgroundLane
+from bcp.engine.load_staging import LoadStagingPool
 from bcp.engine.staging import HostBufferPool
 from bcp.planning.plan_cache import PlanCache
 
@@ -44,11 +45,15 @@ class Runtime:
         #: Two sets: the next save stages into one while the previous one still writes from the other.
         self.buffers = HostBufferPool(max_sets=2)
         self.background = BackgroundLane()
+        #: The last load's staging buffers, which the next load reuses.
+        self.load_staging = LoadStagingPool()
 
     def close(self) -> None:
-        """Wait for every pending save, then release the lane's thread and the cached plans."""
+        """Wait for every pending save, then release the lane's thread, the cached plans and the
+        load staging buffers."""
         self.background.close()
         self.plan_cache.clear()
+        self.load_staging.clear()
 
 
 _current = Runtime()

@@ -105,7 +105,7 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
         generation, plan = _agree_on_plan(coord, location, collected, rt, cache=not options.verify_replicas)
     monitor.generation = generation
     pieces = writes_of(collected.value.pieces, plan.writes)
-    writer = GenerationWriter(location, generation, threads=options.io_threads,
+    writer = GenerationWriter(location, generation, threads=options.io_threads, background=options.async_save,
                               abandon=rt.background.abandon if options.async_save else None)
     manifest_of = _manifest_builder(generation, collected.value.framework, plan)
     values = collected.value.values
