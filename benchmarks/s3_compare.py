@@ -2,13 +2,15 @@
 
     .venv/bin/python benchmarks/s3_compare.py                 # ~1 GB of GPT-like fp32 state, 3 reps
     .venv/bin/python benchmarks/s3_compare.py --size-mb 128 --reps 2
+    .venv/bin/python benchmarks/s3_compare.py --worlds 2 --max-requests 4 8 16   # the cap, side by side
 
 For 1 and 2 processes (gloo, the state cut on dim 0 as DTensors when 2): the raw floor (obstore's
-parallel multipart upload of each process's bytes as one object, and parallel 16 MiB ranged GETs
-back: the settings bcp's S3 backend uses), bcp save/load (same layout; with 2 processes also a load
-resharded to dim 1) and DCP through ``FsspecWriter``/``FsspecReader`` (default, and the writer with
-``thread_count`` = bcp's threads). The server is ``tests/s3_test_server.py``'s, started here and
-killed at the end. Prints a markdown table of medians (seconds) and ratios.
+parallel multipart upload of each process's bytes as one object, 16 MiB parts 8 at a time, and
+parallel 16 MiB ranged GETs back), bcp save/load at its defaults (same layout; with 2 processes also
+a load resharded to dim 1), once per ``--max-requests`` value (the S3 backend's cap on requests in
+flight; the first is the default) and DCP through ``FsspecWriter``/``FsspecReader`` (s3fs; default,
+and the writer with ``thread_count`` = bcp's I/O threads). The server is ``tests/s3_test_server.py``'s,
+started here and killed at the end. Prints a markdown table of medians (seconds) and ratios.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def cases(config: dict) -> dict:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     import bcp
+    from bcp.api.options import DEFAULT_IO_THREADS
     from bcp.storage import S3Storage
+    from bcp.storage.s3_connection import MAX_REQUESTS
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -111,7 +115,8 @@ def cases(config: dict) -> dict:
 
     results: dict[str, list[float]] = {}
     reps = config["reps"]
-    threads = config["io_threads"]
+    threads = config["io_threads"] or DEFAULT_IO_THREADS
+    caps = config["max_requests"] or [MAX_REQUESTS]
 
     # Raw floor: this process's bytes as one object, uploaded in parallel parts and read back by ranges.
     views = [memoryview(t.numpy()).cast("B") for t in locals_]
@@ -130,20 +135,25 @@ def cases(config: dict) -> dict:
             local = t.to_local() if mesh is not None else t
             assert torch.equal(local, piece(n, dim)), n
 
-    def bcp_save() -> None:
-        bcp.save(S3Storage(f"{base}/{fresh[-1]}"), {"model": state}, bcp.SaveOptions(io_threads=threads))
-
-    results["bcp save"] = _timed(bcp_save, reps, lambda: (clean(), new_prefix()))
     dims = [0] if world == 1 else [0, 1]
-    for dim in dims:
-        targets: dict[str, Any] = {}
+    for cap in caps:
+        named = "" if cap == caps[0] else f", max_requests={cap}"
 
-        def bcp_load() -> None:
-            bcp.load(S3Storage(f"{base}/{fresh[-1]}"), {"model": targets}, bcp.LoadOptions(io_threads=threads))
+        def bcp_save() -> None:
+            bcp.save(S3Storage(f"{base}/{fresh[-1]}", max_requests=cap), {"model": state},
+                     bcp.SaveOptions(io_threads=threads))
 
-        results[f"bcp load{' resharded' if dim else ''}"] = _timed(
-            bcp_load, reps, lambda: targets.update(zeros(dim)))
-        check(targets, dim)
+        results[f"bcp save{named}"] = _timed(bcp_save, reps, lambda: (clean(), new_prefix()))
+        for dim in dims:
+            targets: dict[str, Any] = {}
+
+            def bcp_load() -> None:
+                bcp.load(S3Storage(f"{base}/{fresh[-1]}", max_requests=cap), {"model": targets},
+                         bcp.LoadOptions(io_threads=threads))
+
+            results[f"bcp load{' resharded' if dim else ''}{named}"] = _timed(
+                bcp_load, reps, lambda: targets.update(zeros(dim)))
+            check(targets, dim)
 
     for name, writer in (("DCP save", {}), (f"DCP save, thread_count={threads}", {"thread_count": threads})):
         results[name] = _timed(lambda: dcp.save(state, storage_writer=FsspecWriter(
@@ -176,7 +186,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=float, default=1024)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--io-threads", type=int, default=4)
+    parser.add_argument("--io-threads", type=int, help="bcp's and DCP's I/O threads (default: bcp's default)")
+    parser.add_argument("--max-requests", type=int, nargs="+",
+                        help="the S3 backend's caps on requests in flight to try (default: its default)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--json", help="where to write the raw timings")
     args = parser.parse_args()
@@ -186,12 +198,13 @@ def main() -> None:
         server = seaweedfs.start(directory)
         try:
             config = {"size_bytes": int(args.size_mb * (1 << 20)), "reps": args.reps, "io_threads": args.io_threads,
+                      "max_requests": args.max_requests,
                       "env": server.env(), "bucket": seaweedfs.BUCKET, "run": uuid.uuid4().hex[:6]}
             results = {w: launch(cases, w, config, timeout_s=3000) for w in args.worlds}
         finally:
             seaweedfs.stop(server)
     print(f"state {shapes_nbytes(gpt_shapes(config['size_bytes'])) / 1e6:.0f} MB, {args.reps} reps, "
-          f"io_threads {args.io_threads}\n")
+          f"io_threads {args.io_threads or 'default'}, max_requests {args.max_requests or 'default'}\n")
     for world, result in results.items():
         print(table(world, result) + "\n")
     if args.json:

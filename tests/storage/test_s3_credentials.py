@@ -15,7 +15,7 @@ import bcp
 import pytest
 import torch
 from bcp.storage import S3Storage
-from test_s3_multipart import PART, _data, write_through_faults
+from s3_part_uploads import PART, seven_part_file, write_through_faults
 
 PROFILE = "bcp-writer"
 
@@ -62,7 +62,7 @@ def test_a_session_token_from_the_profile_signs_every_request_and_the_server_che
     temporary = s3_server.assume_role()
     _use_profile(tmp_path, monkeypatch, temporary)
     write_through_faults(s3_server, s3_url, storage_log, credentials={})  # parts: botocore's client
-    data, _ = _data()
+    data, _ = seven_part_file()
     assert S3Storage(s3_url, endpoint_url=s3_server.endpoint).read_bytes("shard.bin") == data  # obstore's
 
     # the server does check it: the same temporary key without its token is refused at once
@@ -106,7 +106,7 @@ def test_temporary_credentials_from_a_container_endpoint(s3_server, s3_url, monk
         monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI",
                            f"http://127.0.0.1:{endpoint.server_address[1]}/v2/credentials/bcp")
         storage = S3Storage(s3_url, endpoint_url=s3_server.endpoint, region="us-east-1", part_bytes=PART)
-        data, views = _data()
+        data, views = seven_part_file()
         storage.write_file("shard.bin", views)
         assert storage.read_bytes("shard.bin") == data
     finally:

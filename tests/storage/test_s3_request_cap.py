@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from bcp.storage import S3Storage
 from s3_fault_proxy import FaultProxy
-from test_s3_multipart import PART, _data
+from s3_part_uploads import PART, seven_part_file
 
 
 def test_parts_and_reads_of_several_files_from_several_threads_stay_within_the_stores_cap(s3_server, s3_url):
@@ -16,7 +16,7 @@ def test_parts_and_reads_of_several_files_from_several_threads_stay_within_the_s
         # two storages of one store (same settings): they share the process's cap of 3
         storages = [S3Storage(f"{s3_url}/{i}", part_bytes=PART, max_requests=3, **s3_server.options(proxy.endpoint))
                     for i in range(2)]
-        data, views = _data()
+        data, views = seven_part_file()
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda i: storages[i % 2].write_file(f"file-{i}", views), range(4)))
             assert proxy.max_in_flight == 3, proxy.max_in_flight  # reached, never passed

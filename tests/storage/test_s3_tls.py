@@ -9,7 +9,7 @@ import bcp
 import pytest
 import torch
 from bcp.storage import S3Storage
-from test_s3_multipart import PART, _data
+from s3_part_uploads import PART, seven_part_file
 
 ROWS, COLS = 6144, 2048  # 48 MiB of float32: 24 MiB per rank of two, more than one 16 MiB part
 
@@ -63,7 +63,7 @@ def test_the_ca_bundle_option_trusts_the_server_for_part_uploads_and_reads(s3_se
     sent = []
     storage.inner.connection.client.meta.events.register(
         "before-send.s3.UploadPart", lambda request, **_: sent.append(request.url))
-    data, views = _data()
+    data, views = seven_part_file()
     storage.write_file("shard.bin", views)
     assert storage.read_bytes("shard.bin") == data
     assert len(sent) == 7 and all(url.startswith(s3_server.https_endpoint) for url in sent), sent
@@ -76,7 +76,7 @@ def test_a_wrong_ca_fails_at_once_with_a_storage_error_naming_the_endpoint(
     for name, value in _https(s3_server, s3_server.tls.wrong_ca).items():
         monkeypatch.setenv(name, value)
     storage = S3Storage(s3_url, part_bytes=PART)
-    views = [memoryview(b"small")] if size == "small" else _data()[1]
+    views = [memoryview(b"small")] if size == "small" else seven_part_file()[1]
     with pytest.raises(bcp.StorageError) as failure:
         storage.write_file("shard.bin", views)
     message = str(failure.value)
