@@ -124,3 +124,10 @@ def test_without_any_credentials_the_first_request_fails_at_once_saying_where_it
         S3Storage(s3_url, endpoint_url="http://127.0.0.1:1").exists("x")
     assert "attempt 1 (permanent error)" in str(failure.value) and "AWS_PROFILE" in str(failure.value)
     assert not [r for r in storage_log.records if "retrying" in r.getMessage()]
+
+
+def test_an_unknown_profile_is_a_storage_error_naming_the_url_and_the_profile(s3_url, monkeypatch, no_aws_variables):
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    with pytest.raises(bcp.StorageError, match="no-such-profile") as failure:
+        S3Storage(s3_url)
+    assert s3_url in str(failure.value)

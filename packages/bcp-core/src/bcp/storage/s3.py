@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from bcp.errors import StorageError
 from bcp.storage.names import child_names, flat_bytes, join_key, split_url
 from bcp.storage.range_reads import RangeReads
 from bcp.storage.retry import RetryingStorage, RetryPolicy
@@ -57,11 +58,17 @@ class S3Objects(RangeReads):
             raise ValueError(f"part_bytes={part_bytes}: S3 parts are at least {MIN_PART_BYTES} bytes")
         self.root = url.rstrip("/")
         self._part_bytes = part_bytes
-        self.connection = connect(bucket, S3Settings(
+        settings = S3Settings(
             endpoint_url=endpoint_url, region=region, profile=profile, access_key_id=access_key_id,
             secret_access_key=secret_access_key, session_token=session_token, ca_bundle=ca_bundle,
-            addressing_style=addressing_style, timeout_s=timeout_s, max_requests=max_requests))
+            addressing_style=addressing_style, timeout_s=timeout_s, max_requests=max_requests)
+        import botocore.exceptions
         import obstore
+
+        try:
+            self.connection = connect(bucket, settings)
+        except (botocore.exceptions.BotoCoreError, OSError) as exc:  # an unknown profile, an unreadable CA file
+            raise StorageError(f"cannot set up S3 access: {exc}", path=self.root) from exc
 
         self._ob = obstore
         self._store = self.connection.store
