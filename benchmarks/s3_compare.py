@@ -10,7 +10,8 @@ parallel 16 MiB ranged GETs back), bcp save/load at its defaults (same layout; w
 a load resharded to dim 1), once per ``--max-requests`` value (the S3 backend's cap on requests in
 flight; the first is the default) and DCP through ``FsspecWriter``/``FsspecReader`` (s3fs; default,
 and the writer with ``thread_count`` = bcp's I/O threads). The server is ``tests/s3_test_server.py``'s,
-started here and killed at the end. Prints a markdown table of medians (seconds) and ratios.
+started here and killed at the end. The cases run in rounds (each case once per round) so that a shared
+machine's drifting load weighs on all alike. Prints a markdown table of medians (seconds) and ratios.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 import uuid
+from functools import partial
 from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -118,14 +120,21 @@ def cases(config: dict) -> dict:
     threads = config["io_threads"] or DEFAULT_IO_THREADS
     caps = config["max_requests"] or [MAX_REQUESTS]
 
+    # Each case: (name, work, before, after); every round runs them all once, in this order, so that the
+    # load of a shared machine drifting during the run weighs on every case alike.
+    case_list: list[tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any]]] = []
+    nothing: Callable[[], Any] = lambda: None  # noqa: E731
+    next_checkpoint = lambda: (clean(), new_prefix())  # noqa: E731
+
     # Raw floor: this process's bytes as one object, uploaded in parallel parts and read back by ranges.
     views = [memoryview(t.numpy()).cast("B") for t in locals_]
     raw_key = lambda: f"bench-{config['run']}-w{world}/{fresh[-1]}/raw-{rank}"  # noqa: E731
-    results["raw save"] = _timed(lambda: obstore.put(bucket_store, raw_key(), iter(views), chunk_size=PART,
-                                                     max_concurrency=8), reps, lambda: (clean(), new_prefix()))
     starts = list(range(0, nbytes, PART))
-    results["raw load"] = _timed(lambda: obstore.get_ranges(bucket_store, raw_key(), starts=starts,
-                                                            ends=[min(s + PART, nbytes) for s in starts]), reps)
+    case_list.append(("raw save", lambda: obstore.put(bucket_store, raw_key(), iter(views), chunk_size=PART,
+                                                      max_concurrency=8), next_checkpoint, nothing))
+    case_list.append(("raw load", lambda: obstore.get_ranges(bucket_store, raw_key(), starts=starts,
+                                                             ends=[min(s + PART, nbytes) for s in starts]),
+                      nothing, nothing))
 
     def zeros(dim: int) -> dict[str, Any]:
         return layout(dim, lambda n: torch.zeros(local_shape(shapes[n], dim, world)))
@@ -135,35 +144,31 @@ def cases(config: dict) -> dict:
             local = t.to_local() if mesh is not None else t
             assert torch.equal(local, piece(n, dim)), n
 
-    dims = [0] if world == 1 else [0, 1]
+    def loads(name: str, load: Callable[[dict[str, Any]], Any], suffix: str = "") -> None:
+        """The same-layout load and, with 2 processes, the load resharded to dim 1, each checked."""
+        for dim in ([0] if world == 1 else [0, 1]):
+            targets: dict[str, Any] = {}
+            case_list.append((f"{name} load{' resharded' if dim else ''}{suffix}", partial(load, targets),
+                              partial(lambda t, d: t.update(zeros(d)), targets, dim), partial(check, targets, dim)))
+
     for cap in caps:
         named = "" if cap == caps[0] else f", max_requests={cap}"
-
-        def bcp_save() -> None:
-            bcp.save(S3Storage(f"{base}/{fresh[-1]}", max_requests=cap), {"model": state},
-                     bcp.SaveOptions(io_threads=threads))
-
-        results[f"bcp save{named}"] = _timed(bcp_save, reps, lambda: (clean(), new_prefix()))
-        for dim in dims:
-            targets: dict[str, Any] = {}
-
-            def bcp_load() -> None:
-                bcp.load(S3Storage(f"{base}/{fresh[-1]}", max_requests=cap), {"model": targets},
-                         bcp.LoadOptions(io_threads=threads))
-
-            results[f"bcp load{' resharded' if dim else ''}{named}"] = _timed(
-                bcp_load, reps, lambda: targets.update(zeros(dim)))
-            check(targets, dim)
+        case_list.append((f"bcp save{named}", partial(lambda c: bcp.save(
+            S3Storage(f"{base}/{fresh[-1]}", max_requests=c), {"model": state},
+            bcp.SaveOptions(io_threads=threads)), cap), next_checkpoint, nothing))
+        loads("bcp", partial(lambda c, targets: bcp.load(
+            S3Storage(f"{base}/{fresh[-1]}", max_requests=c), {"model": targets},
+            bcp.LoadOptions(io_threads=threads)), cap), named)
 
     for name, writer in (("DCP save", {}), (f"DCP save, thread_count={threads}", {"thread_count": threads})):
-        results[name] = _timed(lambda: dcp.save(state, storage_writer=FsspecWriter(
-            f"{base}/{fresh[-1]}", sync_files=False, **writer)), reps, lambda: (clean(), new_prefix()))
-    for dim in dims:
-        targets = {}
-        results[f"DCP load{' resharded' if dim else ''}"] = _timed(
-            lambda: dcp.load(targets, storage_reader=FsspecReader(f"{base}/{fresh[-1]}")), reps,
-            lambda: targets.update(zeros(dim)))
-        check(targets, dim)
+        case_list.append((name, partial(lambda w: dcp.save(state, storage_writer=FsspecWriter(
+            f"{base}/{fresh[-1]}", sync_files=False, **w)), writer), next_checkpoint, nothing))
+    loads("DCP", lambda targets: dcp.load(targets, storage_reader=FsspecReader(f"{base}/{fresh[-1]}")))
+
+    for _ in range(reps):
+        for name, work, before, after in case_list:
+            results.setdefault(name, []).extend(_timed(work, 1, before))
+            after()
     fresh.append("")
     clean()
     return {"nbytes": nbytes * world, "times": results}

@@ -10,51 +10,21 @@ import pytest
 import torch
 from bcp.storage import S3Storage
 from s3_part_uploads import PART, seven_part_file
+from s3_sharded import load_big_sharded, save_big_sharded
 
-ROWS, COLS = 6144, 2048  # 48 MiB of float32: 24 MiB per rank of two, more than one 16 MiB part
+ROWS = 6144  # 48 MiB of float32: 24 MiB per rank of two, more than one 16 MiB part
 
 
 def _https(s3_server, ca: str) -> dict[str, str]:
     return {**s3_server.env(s3_server.https_endpoint), "AWS_CA_BUNDLE": ca}
 
 
-def _matrix() -> torch.Tensor:
-    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(11))
-
-
-def _sharded(full: torch.Tensor) -> torch.nn.Module:
-    """A module whose one parameter is ``full`` sharded by rows across the ranks (a DTensor)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    module = torch.nn.Module()
-    module.w = torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]), requires_grad=False)
-    return module
-
-
-def save_sharded(url: str, env: dict[str, str]) -> None:
-    import os
-
-    os.environ.update(env)  # the rank processes were started before the server: point them at it
-    bcp.save(url, {"model": _sharded(_matrix())})
-
-
-def load_sharded(url: str, env: dict[str, str]) -> bool:
-    import os
-
-    os.environ.update(env)
-    target = _sharded(torch.zeros(ROWS, COLS))
-    bcp.load(url, {"model": target})
-    return torch.equal(target.w.to_local().view(torch.int32), _sharded(_matrix()).w.to_local().view(torch.int32))
-
-
 def test_a_two_rank_save_over_https_loads_resharded_on_three_ranks_with_the_ca_from_aws_ca_bundle(
         ranks, s3_server, s3_url):
     """Each rank's data file (24 MiB) is larger than one part, so the save sends parts over HTTPS."""
     env = _https(s3_server, s3_server.tls.ca)
-    ranks(2).run(save_sharded, s3_url, env)
-    assert all(ranks(3).run(load_sharded, s3_url, env))
+    ranks(2).run(save_big_sharded, s3_url, env, ROWS)
+    assert all(ranks(3).run(load_big_sharded, s3_url, env, ROWS))
 
 
 def test_the_ca_bundle_option_trusts_the_server_for_part_uploads_and_reads(s3_server, s3_url):

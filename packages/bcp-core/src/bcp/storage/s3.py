@@ -62,9 +62,11 @@ class S3Objects(RangeReads):
             endpoint_url=endpoint_url, region=region, profile=profile, access_key_id=access_key_id,
             secret_access_key=secret_access_key, session_token=session_token, ca_bundle=ca_bundle,
             addressing_style=addressing_style, timeout_s=timeout_s, max_requests=max_requests)
-        import botocore.exceptions
-        import obstore
-
+        try:
+            import botocore.exceptions
+            import obstore
+        except ImportError:
+            raise ImportError("s3:// needs obstore and botocore: pip install 'bcp-core[s3]'") from None
         try:
             self.connection = connect(bucket, settings)
         except (botocore.exceptions.BotoCoreError, OSError) as exc:  # an unknown profile, an unreadable CA file

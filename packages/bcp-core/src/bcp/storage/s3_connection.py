@@ -198,10 +198,8 @@ def _multipart_params(env: Callable[[str], str | None]) -> tuple[dict[str, Any],
 
 def _obstore_store(bucket: str, endpoint: str, region: str, style: str, ca_bundle: str | None, timeout_s: float,
                    credentials: Callable[[], Mapping[str, Any]]) -> Any:
-    try:
-        import obstore.store
-    except ImportError:
-        raise ImportError("s3:// needs the obstore package: pip install 'bcp-core[s3]'") from None
+    import obstore.store
+
     target = urlsplit(endpoint)
     if style == "virtual":  # obstore takes a virtual-hosted endpoint with the bucket in the host
         endpoint = f"{target.scheme}://{bucket}.{target.netloc}"
