@@ -8,7 +8,7 @@ For 1 and 2 processes (gloo, the state cut on dim 0 as DTensors when 2): the raw
 parallel multipart upload of each process's bytes as one object, 16 MiB parts 8 at a time, and
 parallel 16 MiB ranged GETs back), bcp save/load at its defaults (same layout; with 2 processes also
 a load resharded to dim 1), once per ``--max-requests`` value (the S3 backend's cap on requests in
-flight; the first, named without it in the table, stands for the default) and DCP through ``FsspecWriter``/``FsspecReader`` (s3fs; default,
+flight: rows without a cap in their name ran with the first value) and DCP through ``FsspecWriter``/``FsspecReader`` (s3fs; default,
 and the writer with ``thread_count`` = bcp's I/O threads). The server is ``tests/s3_test_server.py``'s,
 started here and killed at the end. The cases run in rounds (each case once per round) so that a shared
 machine's drifting load weighs on all alike. Prints a markdown table of medians (seconds) and ratios.
