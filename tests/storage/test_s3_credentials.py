@@ -131,3 +131,20 @@ def test_an_unknown_profile_is_a_storage_error_naming_the_url_and_the_profile(s3
     with pytest.raises(bcp.StorageError, match="no-such-profile") as failure:
         S3Storage(s3_url)
     assert s3_url in str(failure.value)
+
+
+@pytest.mark.parametrize(("options", "bucket_url"), [
+    ({"region": "us-west-2"}, "https://my-bucket.s3.us-west-2.amazonaws.com/"),  # AWS: virtual-hosted
+    ({"endpoint_url": "http://minio:9000"}, "http://minio:9000/my-bucket/"),  # elsewhere: path-style
+    ({"endpoint_url": "http://minio:9000", "addressing_style": "virtual"}, "http://my-bucket.minio:9000/"),
+])
+def test_both_clients_address_the_bucket_alike(options, bucket_url, no_aws_variables):
+    """botocore (parts) and obstore (everything else) must send to the same URLs: botocore's, read
+    from a URL it signs (no request is made), and obstore's endpoint setting."""
+    connection = S3Storage("s3://my-bucket/x", access_key_id="a", secret_access_key="b", **options).inner.connection
+    signed = connection.client.generate_presigned_url("get_object", Params={"Bucket": "my-bucket", "Key": "k"})
+    assert signed.startswith(f"{bucket_url}k?")
+    config = connection.store.config
+    obstore_url = (f"{config['endpoint']}/" if config["virtual_hosted_style_request"] == "true"
+                   else f"{config['endpoint']}/my-bucket/")
+    assert obstore_url == bucket_url
