@@ -10,12 +10,14 @@ first position not yet taken; that is exact when every rank had taken the same n
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from bcp.adapters.dataloader import PartKey
 from bcp.errors import MismatchError
+
+if TYPE_CHECKING:  # the dataloader module builds on this one
+    from bcp.adapters.dataloader import PartKey
 
 
 class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
@@ -24,9 +26,11 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
     def __init__(self, size: int, *, dp_rank: int, dp_size: int, shuffle: bool = True, seed: int = 0) -> None:
         self.size, self.dp_rank, self.dp_size, self.shuffle, self.seed = size, dp_rank, dp_size, shuffle, seed
         self.epoch, self.start, self.taken = 0, 0, 0
+        #: ``taken`` when the last iteration began: a loader that reads ahead counts its batches from here.
+        self.taken_at_iter = 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.start, self.taken = epoch, 0, 0
+        self.epoch, self.start, self.taken, self.taken_at_iter = epoch, 0, 0, 0
 
     def order(self) -> list[int]:
         """The epoch's global order (the permutation every rank walks)."""
@@ -37,6 +41,10 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         return torch.randperm(self.size, generator=generator).tolist()
 
     def __iter__(self) -> Iterator[int]:
+        self.taken_at_iter = self.taken
+        return self._walk()
+
+    def _walk(self) -> Iterator[int]:
         order = self.order()
         while (position := self.start + self.dp_rank + self.taken * self.dp_size) < self.size:
             self.taken += 1
@@ -60,13 +68,14 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         config = {k: replicated[k] for k in ("size", "shuffle", "seed")}
         if config != {"size": self.size, "shuffle": self.shuffle, "seed": self.seed}:
             raise MismatchError(f"the sampler was saved with {config}", key="dataloader/replicated")
-        self.epoch, self.start = int(replicated["epoch"]), int(replicated["start"])
+        start = int(replicated["start"])
         taken = [int(part["taken"]) for part in sharded]  # one part per saved DP rank, in DP order
         if len(taken) == self.dp_size:
-            self.taken = taken[self.dp_rank]
+            mine = taken[self.dp_rank]
         elif len(set(taken)) == 1:
-            self.start, self.taken = self.start + taken[0] * len(taken), 0
+            start, mine = start + taken[0] * len(taken), 0
         else:
             raise MismatchError(f"the saved ranks had taken different numbers of samples ({taken}): the taken "
                                 f"positions are not a prefix of the order, so they cannot be continued on "
                                 f"{self.dp_size} DP ranks", key="dataloader")
+        self.epoch, self.start, self.taken, self.taken_at_iter = int(replicated["epoch"]), start, mine, mine

@@ -1,0 +1,232 @@
+"""A torch ``DataLoader``'s position as what the trainer consumed, resharded across DP sizes.
+
+A loader with read workers asks its sampler for ``num_workers x prefetch_factor`` batches ahead of
+the trainer, so the sampler's own count is not where the trainer stands. For a map-style dataset
+batched by the loader's ``BatchSampler`` and delivered in order, the trainer's position is the
+number of batches the loader's iterator has yielded: batch ``b`` of an epoch holds positions
+``[b x batch_size, (b + 1) x batch_size)`` of the rank's sampler order. This module saves that
+position (a :class:`bcp.ShardedDataloader`: the epoch's order as the replicated part, each rank's
+consumed count as its part), for two samplers whose global order is a pure function of their
+settings and epoch:
+
+- ``bcp.ResumableDistributedSampler``: any DP change continues the global order exactly (the
+  sampler's own resharding, given the consumed counts instead of the handed-out ones);
+- torch's ``DistributedSampler`` (under a torchdata ``StatefulDataLoader``): the new ranks skip
+  ``consumed x D / D'`` samples of their own shard each, which is exact when that is a whole number
+  of batches; otherwise refused, since the sampler cannot start anywhere else.
+
+Anything else (another sampler, an iterable dataset, a custom batch sampler) is not handled here.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from bcp.adapters.distributed_sampler import ResumableDistributedSampler
+from bcp.errors import CheckpointError, MismatchError
+
+if TYPE_CHECKING:  # the dataloader module builds on this one
+    from bcp.adapters.dataloader import PartKey
+
+_KEY = "dataloader"
+#: The replicated part's ``sampler`` field.
+_BCP, _TORCH = "bcp.ResumableDistributedSampler", "torch.DistributedSampler"
+
+
+def position_of(loader: Any) -> "LoaderPosition | None":
+    """The position adapter for ``loader``, or None when it is not a DataLoader this module reads
+    (the caller then treats it as an opaque ``state_dict``). Raises where the loader is one but its
+    position cannot be known."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return None
+    # a DistributedSampler subclass may draw its order elsewhere (Lightning's wrapper of another sampler)
+    if not (isinstance(loader.sampler, ResumableDistributedSampler) or type(loader.sampler) is DistributedSampler):
+        return None
+    if loader.batch_size is None or not _loaders_own(loader.batch_sampler) \
+            or loader.batch_sampler.sampler is not loader.sampler:
+        raise CheckpointError(f"a {type(loader).__name__} with a custom batch sampler: bcp cannot tell which samples "
+                              "its batches held; batch with batch_size= and the sampler", key=_KEY)
+    if not getattr(loader, "in_order", True):
+        raise CheckpointError(f"a {type(loader).__name__} with in_order=False delivers batches out of order: "
+                              "what the trainer consumed is not a prefix of the sampler's order", key=_KEY)
+    return LoaderPosition(loader)
+
+
+def why_opaque(loader: Any) -> str:
+    """Why bcp reads no position out of a loader it saves as an opaque ``state_dict``."""
+    if not isinstance(loader, DataLoader):
+        return f"a {type(loader).__name__} is not a torch DataLoader"
+    if isinstance(loader.dataset, IterableDataset):
+        return "its iterable dataset's read workers hold their positions within the old ranks' shards of the stream"
+    return (f"its sampler is a {type(loader.sampler).__name__}: bcp reads the position of a map-style dataset's "
+            "loader whose sampler is bcp.ResumableDistributedSampler or torch's DistributedSampler")
+
+
+def _loaders_own(batch_sampler: Any) -> bool:
+    """Whether the batch sampler is the one a loader makes from ``batch_size`` (torch's or torchdata's)."""
+    return isinstance(batch_sampler, BatchSampler) and type(batch_sampler).__module__.startswith(
+        ("torch.utils.data", "torchdata.stateful_dataloader"))
+
+
+#: The iterator each tracked plain DataLoader handed out last (torch keeps it only with persistent workers).
+_LAST_ITERATORS: "weakref.WeakKeyDictionary[DataLoader, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _track(loader: DataLoader) -> None:
+    """Remember the iterators a plain DataLoader hands out, so the batches yielded can be read."""
+    if loader in _LAST_ITERATORS or "_get_iterator" in vars(loader):
+        return
+    make = loader._get_iterator
+
+    def get_iterator() -> Any:
+        iterator = make()
+        _LAST_ITERATORS[loader] = weakref.ref(iterator)
+        return iterator
+
+    _LAST_ITERATORS[loader] = lambda: None
+    loader._get_iterator = get_iterator  # DataLoader calls it for every new iterator
+
+
+class LoaderPosition:
+    """A DataLoader as a :class:`bcp.ShardedDataloader`: its sampler's epoch order and how many
+    samples of it this rank's trainer has consumed."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader, self.sampler, self.batch_size = loader, loader.sampler, loader.batch_size
+        self._stateful = callable(getattr(loader, "load_state_dict", None))
+        if not self._stateful and loader.num_workers > 0 and not loader.persistent_workers:
+            _track(loader)
+
+    # -- what the trainer consumed -------------------------------------------------------------
+
+    def _iterator(self) -> Any:
+        """The loader's current iterator, or None if it has none (nothing read since the position
+        was set). Raises where it has one that bcp cannot see."""
+        if self._stateful:
+            return None if getattr(self.loader, "_initial_iter_for_state_dict", False) else self.loader._iterator
+        if self.loader.num_workers == 0:
+            return None  # nothing reads ahead: the sampler's count is the trainer's
+        if self.loader.persistent_workers:
+            return self.loader._iterator
+        ref = _LAST_ITERATORS.get(self.loader)
+        iterator = ref() if ref is not None else None
+        if iterator is None and self._handed_out():
+            raise CheckpointError(
+                f"a DataLoader with {self.loader.num_workers} read workers was iterated before bcp could follow it: "
+                "its workers read ahead of the trainer, so the sampler's count is not what the trainer consumed. "
+                "Build the DataloaderState before iterating, or use persistent_workers=True or torchdata's "
+                "StatefulDataLoader", key=_KEY)
+        return iterator
+
+    def _handed_out(self) -> bool:
+        sampler = self.sampler
+        return isinstance(sampler, ResumableDistributedSampler) and sampler.taken != sampler.taken_at_iter
+
+    def consumed(self) -> int:
+        """Samples of this rank's epoch order the trainer has consumed (for bcp's sampler, counted
+        from the position the epoch resumed at, as its ``taken``)."""
+        iterator = self._iterator()
+        if isinstance(self.sampler, ResumableDistributedSampler):
+            if iterator is None:
+                return self.sampler.taken
+            return min(self.sampler.taken_at_iter + iterator._num_yielded * self.batch_size, self.sampler.taken)
+        if iterator is None:
+            return 0
+        return min(iterator._num_yielded * self.batch_size, self.sampler.num_samples)
+
+    # -- the ShardedDataloader protocol ----------------------------------------------------------
+
+    def replicated_state(self) -> dict[str, Any]:
+        if isinstance(self.sampler, ResumableDistributedSampler):
+            return {"sampler": _BCP, "batch_size": self.batch_size, **self.sampler.replicated_state()}
+        s = self.sampler
+        return {"sampler": _TORCH, "batch_size": self.batch_size, "size": len(s.dataset), "shuffle": s.shuffle,
+                "seed": s.seed, "drop_last": s.drop_last, "epoch": s.epoch}
+
+    def sharded_states(self) -> list[dict[str, Any]]:
+        return [{"taken": self.consumed()}]
+
+    @staticmethod
+    def assign_parts(saved: list[PartKey], dp_size: int) -> list[list[PartKey]]:
+        """Every rank reads every rank's count: the global position needs them all (they are tiny)."""
+        return [list(saved) for _ in range(dp_size)]
+
+    def load_dataloader_state(self, replicated: Any, sharded: list[Any]) -> None:
+        kind = replicated.get("sampler")
+        live = _BCP if isinstance(self.sampler, ResumableDistributedSampler) else _TORCH
+        if kind != live:
+            raise MismatchError(f"the loader's position was saved for a {kind} and the live loader's sampler is a "
+                                f"{type(self.sampler).__name__}", key=f"{_KEY}/replicated")
+        if replicated["batch_size"] != self.batch_size:
+            raise MismatchError(f"the loader was saved with batch_size {replicated['batch_size']}, the live one has "
+                                f"{self.batch_size}", key=f"{_KEY}/replicated")
+        if kind == _BCP:
+            self.sampler.load_dataloader_state(replicated, sharded)
+            self._restart()
+        else:
+            self._load_distributed_sampler(replicated, [int(part["taken"]) for part in sharded])
+
+    def _restart(self) -> None:
+        """Make the loader's next iterator start from the sampler's position (dropping any batches its
+        workers had read ahead)."""
+        if self._stateful:
+            self.loader.load_state_dict({})
+        elif self.loader.persistent_workers:
+            self.loader._iterator = None
+
+    def _load_distributed_sampler(self, replicated: dict[str, Any], taken: list[int]) -> None:
+        s = self.sampler
+        live = {"size": len(s.dataset), "shuffle": s.shuffle, "seed": s.seed, "drop_last": s.drop_last}
+        saved = {k: replicated[k] for k in live}
+        if saved != live:
+            raise MismatchError(f"the DistributedSampler was saved with {saved}, the live one has {live}",
+                                key=f"{_KEY}/replicated")
+        dp_size, dp_rank = s.num_replicas, s.rank
+        if len(taken) == dp_size:
+            skip = taken[dp_rank]
+        elif len(set(taken)) != 1:
+            raise MismatchError(f"the saved ranks had consumed different numbers of samples ({taken}): the consumed "
+                                f"positions are not a prefix of the order, so they cannot be continued on {dp_size} "
+                                "DP ranks", key=_KEY)
+        else:
+            total = taken[0] * len(taken)
+            skip, rest = divmod(total, dp_size)
+            if rest or skip % self.batch_size:
+                raise MismatchError(
+                    f"the {len(taken)} saved ranks had consumed {total} samples of the epoch; a DistributedSampler on "
+                    f"{dp_size} ranks can only resume at a whole number of batches of {self.batch_size} per rank "
+                    f"({total} / {dp_size} is {total / dp_size:g} samples), so that position cannot be continued "
+                    "exactly; use bcp.ResumableDistributedSampler to resume anywhere", key=_KEY)
+        s.set_epoch(int(replicated["epoch"]))
+        if skip == 0:
+            self._restart()
+        elif not self._stateful:
+            raise MismatchError("a torch DataLoader cannot start its DistributedSampler mid-epoch; use torchdata's "
+                                "StatefulDataLoader or bcp.ResumableDistributedSampler", key=_KEY)
+        else:
+            self.loader.load_state_dict(skipping(self.loader.state_dict(), skip, self.batch_size))
+
+
+def skipping(fresh: dict[str, Any], samples: int, batch_size: int) -> dict[str, Any]:
+    """A StatefulDataLoader state that resumes ``samples`` (a whole number of batches) into its
+    sampler's epoch order, made from the loader's state at the start of an epoch (``fresh``): its
+    batch sampler skips them, the loader counts ``samples / batch_size`` batches yielded."""
+    batches = samples // batch_size
+    state = copy.deepcopy(fresh)
+    main = state["_snapshot"]["_main_snapshot"] if "_snapshot" in state else state
+    main["_sampler_iter_state"] = {"samples_yielded": samples}
+    main["_sampler_iter_yielded"] = batches
+    if "_snapshot" in state:
+        state["_snapshot"]["_snapshot_step"] = batches
+        state["_snapshot"]["_last_yielded_worker_id"] = (batches - 1) % main["_num_workers"]
+        state["_steps_since_snapshot"] = 0
+    else:
+        state["_num_yielded"] = batches
+    state["_iterator_finished"] = False
+    return state
+
