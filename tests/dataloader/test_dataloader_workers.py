@@ -111,3 +111,11 @@ def save_after(path: str, kind: str, batches: int) -> None:
     for _ in range(batches):
         next(taken)
     bcp.save(path, _entry(loader, rank, world))
+
+
+def test_a_torch_dataloader_with_a_distributed_sampler_is_refused():
+    """torch's DataLoader does not say how far its DistributedSampler got, nor can it start the
+    sampler mid-epoch: refused when the state is built, not saved as the epoch's start."""
+    loader = DataLoader(Ids(), batch_size=BATCH, sampler=DistributedSampler(Ids(), num_replicas=1, rank=0))
+    with pytest.raises(bcp.CheckpointError, match="a torch DataLoader with torch's DistributedSampler keeps no position"):
+        _entry(loader, 0, 1)

@@ -171,7 +171,7 @@ class DataloaderState:
             parts.append((key, record["state"]))
         parts.sort(key=lambda item: (item[0].worker, item[0].dp))
         kind = replicated.get("kind") if isinstance(replicated, dict) else None
-        if kind == _PER_RANK and self._source is not self.loader:
+        if kind == _PER_RANK and self._kind == _SHARDED and callable(getattr(self.loader, "load_state_dict", None)):
             self._restore_saved_state_dict(parts, path)
             return
         if kind != self._kind:
@@ -184,8 +184,9 @@ class DataloaderState:
 
 
     def _restore_saved_state_dict(self, parts: list[tuple[PartKey, Any]], path: str | None) -> None:
-        """A DataLoader whose position bcp now reads, from a checkpoint that holds its ``state_dict``
-        per DP index (as bcp saved it before): its own DP index's, on the same DP size only."""
+        """A loader bcp now saves as parts (a DataLoader's position, Lightning's fit loop states), from a
+        checkpoint that holds its ``state_dict`` per DP index (as bcp saved it before): its own DP
+        index's, on the same DP size only."""
         saved_size = parts[0][0].dp_size
         if saved_size != self.dp_size:
             raise MismatchError(f"the dataloader's state_dict was saved on {saved_size} DP ranks and is loaded on "

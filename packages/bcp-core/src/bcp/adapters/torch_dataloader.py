@@ -51,6 +51,10 @@ def position_of(loader: Any) -> "LoaderPosition | None":
             or loader.batch_sampler.sampler is not loader.sampler:
         raise CheckpointError(f"a {type(loader).__name__} with a custom batch sampler: bcp cannot tell which samples "
                               "its batches held; batch with batch_size= and the sampler", key=_KEY)
+    if isinstance(loader.sampler, DistributedSampler) and not callable(getattr(loader, "load_state_dict", None)):
+        raise CheckpointError("a torch DataLoader with torch's DistributedSampler keeps no position bcp can read or "
+                              "restore (the sampler counts nothing and cannot start mid-epoch); use torchdata's "
+                              "StatefulDataLoader or bcp.ResumableDistributedSampler", key=_KEY)
     if not getattr(loader, "in_order", True):
         raise CheckpointError(f"a {type(loader).__name__} with in_order=False delivers batches out of order: "
                               "what the trainer consumed is not a prefix of the sampler's order", key=_KEY)
@@ -135,9 +139,7 @@ class LoaderPosition:
             if iterator is None:
                 return self.sampler.taken
             return min(self.sampler.taken_at_iter + iterator._num_yielded * self.batch_size, self.sampler.taken)
-        if iterator is None:
-            return 0
-        return min(iterator._num_yielded * self.batch_size, self.sampler.num_samples)
+        return 0 if iterator is None else min(iterator._num_yielded * self.batch_size, self.sampler.num_samples)
 
     # -- the ShardedDataloader protocol ----------------------------------------------------------
 
@@ -205,21 +207,61 @@ class LoaderPosition:
         s.set_epoch(int(replicated["epoch"]))
         if skip == 0:
             self._restart()
-        elif not self._stateful:
-            raise MismatchError("a torch DataLoader cannot start its DistributedSampler mid-epoch; use torchdata's "
-                                "StatefulDataLoader or bcp.ResumableDistributedSampler", key=_KEY)
         else:
-            self.loader.load_state_dict(skipping(self.loader.state_dict(), skip, self.batch_size))
+            self.loader.load_state_dict(skipping(self.loader.state_dict(), skip // self.batch_size, self.batch_size))
 
 
-def skipping(fresh: dict[str, Any], samples: int, batch_size: int) -> dict[str, Any]:
-    """A StatefulDataLoader state that resumes ``samples`` (a whole number of batches) into its
-    sampler's epoch order, made from the loader's state at the start of an epoch (``fresh``): its
-    batch sampler skips them, the loader counts ``samples / batch_size`` batches yielded."""
-    batches = samples // batch_size
+def batches_yielded(state: dict[str, Any]) -> int:
+    """The batches a StatefulDataLoader had yielded to the trainer in its epoch, from its state."""
+    if "_snapshot" in state:
+        return int(state["_snapshot"]["_snapshot_step"]) + int(state["_steps_since_snapshot"])
+    return int(state["_num_yielded"])
+
+
+def reshard_states(saved: list[dict[str, Any]], dp_rank: int, dp_size: int) -> dict[str, Any]:
+    """The state for DP rank ``dp_rank`` of ``dp_size`` of a StatefulDataLoader whose ranks walk
+    their shards of one global order (torch's ``DistributedSampler``, bcp's sampler, or a batch
+    sampler dealing batches round-robin), from the states of the ``len(saved)`` ranks that saved it
+    (DP order). The saved ranks consumed ``n`` batches each, the first ``n x D`` of the order; the
+    new ones skip ``n x D / D'`` each. Refused where that is not whole, where the ranks consumed
+    different counts, or where the state holds positions of an iterable dataset's read workers."""
+    if len(saved) == dp_size:
+        return saved[dp_rank]
+    for state in saved:
+        for worker in (state.get("_snapshot", {}).get("_worker_snapshots") or {}).values():
+            if worker and (worker.get("dataset_state") is not None or worker.get("fetcher_state") is not None):
+                raise MismatchError(
+                    f"the StatefulDataLoader's read workers hold positions within the {len(saved)} saved ranks' shards "
+                    "of an iterable dataset, which bcp cannot split or merge", key=_KEY)
+    iter_states = [(s["_snapshot"]["_main_snapshot"] if "_snapshot" in s else s).get("_sampler_iter_state") for s in saved]
+    if any(state and "sampler_state" in state for state in iter_states):
+        raise MismatchError("the StatefulDataLoader's sampler keeps its own position (it has state_dict), which bcp "
+                            f"cannot move from {len(saved)} ranks to {dp_size}", key=_KEY)
+    counts = [batches_yielded(state) for state in saved]
+    if len(set(counts)) != 1:
+        raise MismatchError(f"the saved ranks had consumed different numbers of batches ({counts}): the consumed "
+                            f"positions are not a prefix of the order, so they cannot be continued on {dp_size} "
+                            "DP ranks", key=_KEY)
+    batches, rest = divmod(counts[0] * len(saved), dp_size)
+    if rest:
+        raise MismatchError(f"the {len(saved)} saved ranks had consumed {counts[0] * len(saved)} batches of the epoch, "
+                            f"which is no whole number of batches on each of {dp_size} ranks; a StatefulDataLoader "
+                            "resumes only at a whole batch", key=_KEY)
+    main = saved[0]["_snapshot"]["_main_snapshot"] if "_snapshot" in saved[0] else saved[0]
+    iter_state, handed = iter_states[0], int(main["_sampler_iter_yielded"])
+    batch_size = iter_state["samples_yielded"] // handed if iter_state and handed else 0
+    return skipping(saved[0], batches, batch_size)
+
+
+def skipping(fresh: dict[str, Any], batches: int, batch_size: int) -> dict[str, Any]:
+    """A StatefulDataLoader state that resumes ``batches`` batches into its sampler's epoch order,
+    made from a state of the same loader (``fresh``): its batch sampler skips them (torchdata's batch
+    sampler skips ``batches x batch_size`` samples; another batch sampler, ``batches`` batches) and
+    the loader counts them yielded."""
     state = copy.deepcopy(fresh)
     main = state["_snapshot"]["_main_snapshot"] if "_snapshot" in state else state
-    main["_sampler_iter_state"] = {"samples_yielded": samples}
+    if main.get("_sampler_iter_state") is not None:
+        main["_sampler_iter_state"] = {"samples_yielded": batches * batch_size}
     main["_sampler_iter_yielded"] = batches
     if "_snapshot" in state:
         state["_snapshot"]["_snapshot_step"] = batches
@@ -229,4 +271,3 @@ def skipping(fresh: dict[str, Any], samples: int, batch_size: int) -> dict[str, 
         state["_num_yielded"] = batches
     state["_iterator_finished"] = False
     return state
-

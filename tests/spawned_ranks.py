@@ -24,7 +24,8 @@ PG_TIMEOUT_S = 60
 
 
 def _rank_main(rank: int, world: int, port: int, folder: str, fn: Callable[..., Any], args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     # a spawned process inherits the spawn start method, and a loader's workers would then each
     # import torch anew (seconds apiece); forked they start at once
