@@ -32,7 +32,7 @@ def _loaders(accelerator) -> list:
 
 
 def _session():
-    config = DataLoaderConfiguration(use_stateful_dataloader=True, use_seedable_sampler=True)
+    config = DataLoaderConfiguration(use_stateful_dataloader=True, use_seedable_sampler=True, data_seed=7)
     return session("bcp", dataloader_config=config)
 
 

@@ -226,8 +226,8 @@ def count_collectives(strategy: str, path: str) -> dict[str, Any]:
 
 class IdsSeen(L.LightningModule):
     """Records the sample ids of every batch it trains on; its train loader is a StatefulDataLoader
-    with 2 read workers over ids 0..95, Lightning's DistributedSampler put in (``sampler="lightning"``)
-    or bcp's sampler (``"bcp"``, with ``use_distributed_sampler=False``)."""
+    with 2 read workers over ids 0..95, with the DistributedSampler Lightning puts in
+    (``sampler="lightning"``) or bcp's sampler (``"bcp"``, with ``use_distributed_sampler=False``)."""
 
     def __init__(self, shuffle: bool, sampler: str) -> None:
         super().__init__()

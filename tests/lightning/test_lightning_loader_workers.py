@@ -1,9 +1,10 @@
 """Lightning's fit loop with a StatefulDataLoader train loader (2 read workers) under DDP with
 BCPCheckpointIO, checkpointed mid-epoch on 2 processes and resumed to the end of the epoch on 2, 1
 and 3: the samples trained on before the checkpoint and after the resume are every sample exactly
-once, and on 2 processes each rank trains on the very samples of the uninterrupted run. Unshuffled
-with the DistributedSampler Lightning puts in; shuffled with bcp's sampler (Lightning's own shuffled
-sampler draws its order from a generator, see docs/dataloader.md).
+once, and on 2 processes each rank trains on the very samples of the uninterrupted run. With the
+DistributedSampler Lightning puts in (which shuffles, seed 0: Lightning rebuilds torchdata's batch
+sampler around it), and with bcp's sampler shuffled and in order (``use_distributed_sampler=False``).
+A loader with ``shuffle=True`` draws its order from a generator instead: docs/dataloader.md.
 
 The defect this guards: the plugin saved rank 0's loader state alone and every rank of a resume
 on another number of processes skipped rank 0's count of its own shard, so samples were skipped
@@ -18,7 +19,8 @@ from lightning_launch import run
 pytestmark = pytest.mark.distributed
 
 SAVED_AT, PER_RANK = 6, 48  # steps; 96 samples, batches of 4 on 2 processes: 12 steps an epoch
-SETUPS = {"unshuffled, Lightning's sampler": (False, "lightning"), "shuffled, bcp's sampler": (True, "bcp")}
+SETUPS = {"Lightning's DistributedSampler": (False, "lightning"), "bcp's sampler, shuffled": (True, "bcp"),
+          "bcp's sampler, in order": (False, "bcp")}
 
 
 def _fit(dirpath: str, setup: str, **args) -> dict:

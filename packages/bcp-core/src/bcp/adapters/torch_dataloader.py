@@ -77,22 +77,22 @@ def _loaders_own(batch_sampler: Any) -> bool:
         ("torch.utils.data", "torchdata.stateful_dataloader"))
 
 
-#: The iterator each tracked plain DataLoader handed out last (torch keeps it only with persistent workers).
-_LAST_ITERATORS: "weakref.WeakKeyDictionary[DataLoader, weakref.ref]" = weakref.WeakKeyDictionary()
+#: The last iterator each followed plain DataLoader made (None: none yet). Kept as StatefulDataLoader
+#: and persistent workers keep theirs, so its count outlives the trainer's loop over it.
+_LAST_ITERATORS: "weakref.WeakKeyDictionary[DataLoader, Any]" = weakref.WeakKeyDictionary()
 
 
-def _track(loader: DataLoader) -> None:
-    """Remember the iterators a plain DataLoader hands out, so the batches yielded can be read."""
-    if loader in _LAST_ITERATORS or "_get_iterator" in vars(loader):
+def _follow(loader: DataLoader) -> None:
+    """Keep the iterators a plain DataLoader makes from now on, so the batches yielded can be read."""
+    if loader in _LAST_ITERATORS:
         return
     make = loader._get_iterator
 
     def get_iterator() -> Any:
-        iterator = make()
-        _LAST_ITERATORS[loader] = weakref.ref(iterator)
-        return iterator
+        _LAST_ITERATORS[loader] = make()
+        return _LAST_ITERATORS[loader]
 
-    _LAST_ITERATORS[loader] = lambda: None
+    _LAST_ITERATORS[loader] = None
     loader._get_iterator = get_iterator  # DataLoader calls it for every new iterator
 
 
@@ -104,42 +104,42 @@ class LoaderPosition:
         self.loader, self.sampler, self.batch_size = loader, loader.sampler, loader.batch_size
         self._stateful = callable(getattr(loader, "load_state_dict", None))
         if not self._stateful and loader.num_workers > 0 and not loader.persistent_workers:
-            _track(loader)
+            _follow(loader)
 
     # -- what the trainer consumed -------------------------------------------------------------
 
-    def _iterator(self) -> Any:
-        """The loader's current iterator, or None if it has none (nothing read since the position
-        was set). Raises where it has one that bcp cannot see."""
+    def _batches(self) -> int | None:
+        """The batches the loader's current iterator has yielded to the trainer, or None when it has
+        no iterator bcp can see and nothing reads ahead. Raises where one read ahead unseen."""
         if self._stateful:
-            return None if getattr(self.loader, "_initial_iter_for_state_dict", False) else self.loader._iterator
+            pending = getattr(self.loader, "next_iter_state", None)  # loaded, not yet iterated
+            if self.loader._iterator is None:
+                return batches_yielded(pending) if pending else None
+            return self.loader._iterator._num_yielded
         if self.loader.num_workers == 0:
             return None  # nothing reads ahead: the sampler's count is the trainer's
-        if self.loader.persistent_workers:
-            return self.loader._iterator
-        ref = _LAST_ITERATORS.get(self.loader)
-        iterator = ref() if ref is not None else None
+        iterator = self.loader._iterator if self.loader.persistent_workers else _LAST_ITERATORS.get(self.loader)
         if iterator is None and self._handed_out():
             raise CheckpointError(
                 f"a DataLoader with {self.loader.num_workers} read workers was iterated before bcp could follow it: "
                 "its workers read ahead of the trainer, so the sampler's count is not what the trainer consumed. "
                 "Build the DataloaderState before iterating, or use persistent_workers=True or torchdata's "
                 "StatefulDataLoader", key=_KEY)
-        return iterator
+        return None if iterator is None else iterator._num_yielded
 
     def _handed_out(self) -> bool:
         sampler = self.sampler
-        return isinstance(sampler, ResumableDistributedSampler) and sampler.taken != sampler.taken_at_iter
+        return isinstance(sampler, ResumableDistributedSampler) and sampler.taken != sampler.resume_at
 
     def consumed(self) -> int:
         """Samples of this rank's epoch order the trainer has consumed (for bcp's sampler, counted
         from the position the epoch resumed at, as its ``taken``)."""
-        iterator = self._iterator()
+        batches = self._batches()
         if isinstance(self.sampler, ResumableDistributedSampler):
-            if iterator is None:
+            if batches is None:
                 return self.sampler.taken
-            return min(self.sampler.taken_at_iter + iterator._num_yielded * self.batch_size, self.sampler.taken)
-        return 0 if iterator is None else min(iterator._num_yielded * self.batch_size, self.sampler.num_samples)
+            return min(self.sampler.resume_at + batches * self.batch_size, self.sampler.taken)
+        return 0 if batches is None else min(batches * self.batch_size, self.sampler.num_samples)
 
     # -- the ShardedDataloader protocol ----------------------------------------------------------
 
@@ -208,7 +208,9 @@ class LoaderPosition:
         if skip == 0:
             self._restart()
         else:
-            self.loader.load_state_dict(skipping(self.loader.state_dict(), skip // self.batch_size, self.batch_size))
+            state = skipping(self.loader.state_dict(), skip // self.batch_size, self.batch_size,
+                             finished=skip >= s.num_samples)
+            self.loader.load_state_dict(state)
 
 
 def batches_yielded(state: dict[str, Any]) -> int:
@@ -250,14 +252,15 @@ def reshard_states(saved: list[dict[str, Any]], dp_rank: int, dp_size: int) -> d
     main = saved[0]["_snapshot"]["_main_snapshot"] if "_snapshot" in saved[0] else saved[0]
     iter_state, handed = iter_states[0], int(main["_sampler_iter_yielded"])
     batch_size = iter_state["samples_yielded"] // handed if iter_state and handed else 0
-    return skipping(saved[0], batches, batch_size)
+    return skipping(saved[0], batches, batch_size, finished=all(state["_iterator_finished"] for state in saved))
 
 
-def skipping(fresh: dict[str, Any], batches: int, batch_size: int) -> dict[str, Any]:
+def skipping(fresh: dict[str, Any], batches: int, batch_size: int, *, finished: bool) -> dict[str, Any]:
     """A StatefulDataLoader state that resumes ``batches`` batches into its sampler's epoch order,
     made from a state of the same loader (``fresh``): its batch sampler skips them (torchdata's batch
     sampler skips ``batches x batch_size`` samples; another batch sampler, ``batches`` batches) and
-    the loader counts them yielded."""
+    the loader counts them yielded. ``finished``: the epoch was over, the next iteration starts the
+    next one (as torchdata restores a finished loader)."""
     state = copy.deepcopy(fresh)
     main = state["_snapshot"]["_main_snapshot"] if "_snapshot" in state else state
     if main.get("_sampler_iter_state") is not None:
@@ -269,5 +272,5 @@ def skipping(fresh: dict[str, Any], batches: int, batch_size: int) -> dict[str, 
         state["_steps_since_snapshot"] = 0
     else:
         state["_num_yielded"] = batches
-    state["_iterator_finished"] = False
+    state["_iterator_finished"] = finished
     return state
