@@ -19,11 +19,12 @@ from typing import Any, Mapping
 import torch
 
 import bcp
-from bcp.adapters.torch_dataloader import reshard_states
+from bcp.adapters.torch_dataloader import batches_yielded, reshard_states
 from bcp.integration import DATALOADER_COMPONENT as COMPONENT
 
 _PATH = ("loops", "fit_loop", "state_dict")
 _KEY = "combined_loader"
+_BATCH_PROGRESS = "epoch_loop.batch_progress"
 
 
 class FitLoopLoaders:
@@ -38,6 +39,8 @@ class FitLoopLoaders:
     def __init__(self, states: list[Any] | None = None) -> None:
         self.states = states
         self.rank, self.world = _ranks()
+        #: How many more batches of the epoch this rank has after a reshard than the saved ranks had.
+        self.batches_moved = 0
 
     def replicated_state(self) -> None:
         return None
@@ -59,6 +62,8 @@ class FitLoopLoaders:
             return
         self.states = [reshard_states([states[i] for states in per_rank], self.rank, self.world)
                        for i in range(len(per_rank[0]))]
+        if self.states:
+            self.batches_moved = batches_yielded(self.states[0]) - batches_yielded(per_rank[0][0])
 
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -99,11 +104,18 @@ def template(saved: bool, coordinator: bcp.Coordinator) -> dict[str, Any]:
 
 
 def put_back(rest: dict[str, Any], loaded: Mapping[str, Any]) -> None:
-    """Give the loaded loader states back to the fit loop's entry, where Lightning looks for them."""
-    if COMPONENT in loaded:
-        loop = _loop_state(rest)
-        if loop is not None:
-            loop[_KEY] = loaded[COMPONENT].loader.states
+    """Give the loaded loader states back to the fit loop's entry, where Lightning looks for them.
+    Resharded, the loop's count of batches done in the epoch moves with the loaders' (it ends the
+    epoch when that count reaches the new ranks' number of batches)."""
+    if COMPONENT not in loaded:
+        return
+    loaders = loaded[COMPONENT].loader
+    loop = _loop_state(rest)
+    if loop is not None:
+        loop[_KEY] = loaders.states
+    progress = rest.get("loops", {}).get("fit_loop", {}).get(_BATCH_PROGRESS)
+    if loaders.batches_moved and progress:
+        progress["current"] = {name: count + loaders.batches_moved for name, count in progress["current"].items()}
 
 
 def _loop_state(rest: Mapping[str, Any]) -> dict[str, Any] | None:
