@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     get_optimizer_state_dict,
 )
 
+import bcp  # noqa: E402
 from bcp_lightning import BCPCheckpointIO, BCPDDPStrategy, BCPFSDPStrategy, BCPModelParallelStrategy  # noqa: E402
 from models import MLP  # noqa: E402
 
@@ -245,8 +246,50 @@ def pickle_model(strategy: str, dirpath: str, plugin: bool = False, async_save: 
             "same_options": reloaded["plugin"].options == plugin.options}
 
 
+class IdsSeen(L.LightningModule):
+    """Records the sample ids of every batch it trains on; its train loader is a StatefulDataLoader
+    with 2 read workers over ids 0..95, with the DistributedSampler Lightning puts in
+    (``sampler="lightning"``) or bcp's sampler (``"bcp"``, with ``use_distributed_sampler=False``)."""
+
+    def __init__(self, shuffle: bool, sampler: str) -> None:
+        super().__init__()
+        self.shuffle, self.sampler = shuffle, sampler
+        self.layer = nn.Linear(1, 1)
+        self.seen: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen += batch[0].tolist()
+        return self.layer(batch[0].float().unsqueeze(1)).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> Any:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        ids = torch.utils.data.TensorDataset(torch.arange(96))
+        if self.sampler == "lightning":
+            return StatefulDataLoader(ids, batch_size=4, shuffle=self.shuffle, num_workers=2)
+        sampler = bcp.ResumableDistributedSampler(96, dp_rank=self.trainer.global_rank,
+                                                  dp_size=self.trainer.world_size, shuffle=self.shuffle, seed=5)
+        return StatefulDataLoader(ids, batch_size=4, sampler=sampler, num_workers=2)
+
+
+def fit_ids(dirpath: str, shuffle: bool, sampler: str, every: int = 0, resume_from: str | None = None) -> list[int]:
+    """One epoch of :class:`IdsSeen` under Lightning's DDPStrategy with BCPCheckpointIO, saving every
+    ``every`` steps; the ids this rank trained on."""
+    saving = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every, save_top_k=-1, filename="{step}")]
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=DDPStrategy(), plugins=[BCPCheckpointIO()],
+                        max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=sampler == "lightning", callbacks=saving if every else None,
+                        enable_checkpointing=bool(every))
+    module = IdsSeen(shuffle, sampler)
+    trainer.fit(module, ckpt_path=resume_from)
+    return module.seen
+
+
 CASES = {"fit": fit, "expect_error": expect_error, "count_collectives": count_collectives,
-         "pickle_model": pickle_model}
+         "pickle_model": pickle_model, "fit_ids": fit_ids}
 
 
 def main() -> None:

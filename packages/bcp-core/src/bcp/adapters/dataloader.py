@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, runtime_checkable
 
+from bcp.adapters.torch_dataloader import position_of, why_opaque
 from bcp.errors import CheckpointError, CorruptCheckpointError, MismatchError
 
 COMPONENT = "dataloader"
@@ -99,12 +100,15 @@ class DataloaderState:
         if not (isinstance(dp_size, int) and dp_size >= 1 and isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
             raise CheckpointError(f"dataloader state needs 0 <= dp_rank < dp_size, got {dp_rank} of {dp_size}",
                                   key=COMPONENT)
-        sharded = isinstance(loader, ShardedDataloader)
+        position = position_of(loader)
+        sharded = position is not None or isinstance(loader, ShardedDataloader)
         if not sharded and not (callable(getattr(loader, "state_dict", None))
                                 and callable(getattr(loader, "load_state_dict", None))):
             raise CheckpointError(f"a {type(loader).__name__} is neither a ShardedDataloader nor has "
                                   "state_dict/load_state_dict", key=COMPONENT)
         self.loader, self.dp_rank, self.dp_size, self.writer = loader, dp_rank, dp_size, writer
+        #: What the parts are made from: the loader itself, or its trainer-consumed position.
+        self._source = position if position is not None else loader
         if checkpoint_every is not None:
             plan = getattr(loader, "plan_checkpoints", None)
             if not callable(plan):
@@ -121,13 +125,13 @@ class DataloaderState:
         """The values this rank writes, by name under ``dataloader/`` (none unless it is a writer)."""
         if not self.writer:
             return {}
-        states = self.loader.sharded_states() if self._kind == _SHARDED else [self.loader.state_dict()]
+        states = self._source.sharded_states() if self._kind == _SHARDED else [self.loader.state_dict()]
         if not states:
             raise CheckpointError(f"DP index {self.dp_rank}: the loader gave no sharded state (one per read "
                                   "worker, at least one)", key=COMPONENT)
         values: dict[str, Any] = {}
         if self.dp_rank == 0:
-            replicated = self.loader.replicated_state() if self._kind == _SHARDED else None
+            replicated = self._source.replicated_state() if self._kind == _SHARDED else None
             values[REPLICATED] = {"kind": self._kind, "dp_size": self.dp_size, "state": replicated}
         for worker, state in enumerate(states):
             key = PartKey(self.dp_rank, self.dp_size, worker, len(states))
@@ -146,9 +150,9 @@ class DataloaderState:
             raise MismatchError(
                 f"the dataloader's state was saved on {keys[0].dp_size} DP ranks and is loaded on {self.dp_size}: "
                 f"a {type(self.loader).__name__}'s state_dict is a position within its own DP shard of the data "
-                "and cannot be split or merged; implement bcp.ShardedDataloader to reshard it, or leave it out "
-                "of the state", path=path, key=COMPONENT)
-        assign = getattr(self.loader, "assign_parts", assign_parts)
+                f"and cannot be split or merged ({why_opaque(self.loader)}); implement bcp.ShardedDataloader to "
+                "reshard it, or leave it out of the state", path=path, key=COMPONENT)
+        assign = getattr(self._source, "assign_parts", assign_parts)
         mine = {key.name for key in assign(keys, self.dp_size)[self.dp_rank]}
         return {name: name == REPLICATED or name in mine for name in names}
 
@@ -167,13 +171,28 @@ class DataloaderState:
             parts.append((key, record["state"]))
         parts.sort(key=lambda item: (item[0].worker, item[0].dp))
         kind = replicated.get("kind") if isinstance(replicated, dict) else None
+        if kind == _PER_RANK and self._kind == _SHARDED and callable(getattr(self.loader, "load_state_dict", None)):
+            self._restore_saved_state_dict(parts, path)
+            return
         if kind != self._kind:
             raise MismatchError(f"the dataloader state was saved as {kind!r} state and the live loader is a "
                                 f"{type(self.loader).__name__} ({self._kind!r})", path=path, key=COMPONENT)
         if self._kind == _SHARDED:
-            self.loader.load_dataloader_state(replicated["state"], [state for _, state in parts])
+            self._source.load_dataloader_state(replicated["state"], [state for _, state in parts])
         else:
             self.loader.load_state_dict(parts[0][1])
+
+
+    def _restore_saved_state_dict(self, parts: list[tuple[PartKey, Any]], path: str | None) -> None:
+        """A loader bcp now saves as parts (a DataLoader's position, Lightning's fit loop states), from a
+        checkpoint that holds its ``state_dict`` per DP index (as bcp saved it before): its own DP
+        index's, on the same DP size only."""
+        saved_size = parts[0][0].dp_size
+        if saved_size != self.dp_size:
+            raise MismatchError(f"the dataloader's state_dict was saved on {saved_size} DP ranks and is loaded on "
+                                f"{self.dp_size}: it is a position within its own DP shard of the data",
+                                path=path, key=COMPONENT)
+        self.loader.load_state_dict(next(state for key, state in parts if key.dp == self.dp_rank))
 
 
 def check_writers(declarations: list[list[int] | None]) -> None:

@@ -10,23 +10,37 @@ first position not yet taken; that is exact when every rank had taken the same n
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from bcp.adapters.dataloader import PartKey
 from bcp.errors import MismatchError
+
+if TYPE_CHECKING:  # the dataloader module builds on this one
+    from bcp.adapters.dataloader import PartKey
 
 
 class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
-    """Indices of a dataset of ``size`` samples for DP rank ``dp_rank`` of ``dp_size``."""
+    """Indices of a dataset of ``size`` samples for DP rank ``dp_rank`` of ``dp_size``.
+
+    Every iteration walks the epoch from where it resumed (its start after ``set_epoch``, the loaded
+    position after a load), as torch's sampler walks it from the start: a loader may make iterators
+    it drops (a trainer's check that it is iterable) without losing what their workers read ahead.
+    ``taken`` counts what the latest iteration handed out, from the resume position."""
 
     def __init__(self, size: int, *, dp_rank: int, dp_size: int, shuffle: bool = True, seed: int = 0) -> None:
         self.size, self.dp_rank, self.dp_size, self.shuffle, self.seed = size, dp_rank, dp_size, shuffle, seed
         self.epoch, self.start, self.taken = 0, 0, 0
+        #: Where every iteration of this epoch begins, counted like ``taken``.
+        self.resume_at = 0
+        self._iterations = 0
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.start, self.taken = epoch, 0, 0
+        """Start epoch ``epoch`` from its first sample. The current epoch keeps its position: trainers
+        call ``set_epoch(current)`` when they resume (after the load brought the position back) and
+        after their loader's workers began reading (Lightning's fit loop)."""
+        if epoch != self.epoch:
+            self.epoch, self.start, self.taken, self.resume_at = epoch, 0, 0, 0
 
     def order(self) -> list[int]:
         """The epoch's global order (the permutation every rank walks)."""
@@ -37,13 +51,20 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         return torch.randperm(self.size, generator=generator).tolist()
 
     def __iter__(self) -> Iterator[int]:
+        self._iterations += 1
+        self.taken = self.resume_at
+        return self._walk(self._iterations, self.resume_at)
+
+    def _walk(self, iteration: int, taken: int) -> Iterator[int]:
         order = self.order()
-        while (position := self.start + self.dp_rank + self.taken * self.dp_size) < self.size:
-            self.taken += 1
+        while (position := self.start + self.dp_rank + taken * self.dp_size) < self.size:
+            taken += 1
+            if iteration == self._iterations:  # a dropped iterator's workers may still read: not counted
+                self.taken = taken
             yield order[position]
 
     def __len__(self) -> int:
-        return len(range(self.start + self.dp_rank + self.taken * self.dp_size, self.size, self.dp_size))
+        return len(range(self.start + self.dp_rank + self.resume_at * self.dp_size, self.size, self.dp_size))
 
     def replicated_state(self) -> dict[str, Any]:
         return {"size": self.size, "shuffle": self.shuffle, "seed": self.seed, "epoch": self.epoch, "start": self.start}
@@ -60,13 +81,14 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         config = {k: replicated[k] for k in ("size", "shuffle", "seed")}
         if config != {"size": self.size, "shuffle": self.shuffle, "seed": self.seed}:
             raise MismatchError(f"the sampler was saved with {config}", key="dataloader/replicated")
-        self.epoch, self.start = int(replicated["epoch"]), int(replicated["start"])
+        start = int(replicated["start"])
         taken = [int(part["taken"]) for part in sharded]  # one part per saved DP rank, in DP order
         if len(taken) == self.dp_size:
-            self.taken = taken[self.dp_rank]
+            mine = taken[self.dp_rank]
         elif len(set(taken)) == 1:
-            self.start, self.taken = self.start + taken[0] * len(taken), 0
+            start, mine = start + taken[0] * len(taken), 0
         else:
             raise MismatchError(f"the saved ranks had taken different numbers of samples ({taken}): the taken "
                                 f"positions are not a prefix of the order, so they cannot be continued on "
                                 f"{self.dp_size} DP ranks", key="dataloader")
+        self.epoch, self.start, self.taken, self.resume_at = int(replicated["epoch"]), start, mine, mine
