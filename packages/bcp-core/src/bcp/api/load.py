@@ -13,10 +13,8 @@ from typing import Any
 
 import torch
 
-from bcp.adapters import adapter_for
-from bcp.adapters.base import FrameworkAdapter
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
-from bcp.api.components import MERGED_ACROSS_RANKS, RESHARDED, SKIP, apply, check_keys, collect, is_per_rank
+from bcp.api.components import SKIP, StateValues, check_keys, collect
 from bcp.api.gc_pause import paused_gc
 from bcp.api.metrics import Monitor
 from bcp.api.names import NameMatch, listing, match_names, unexpected_across_ranks
@@ -82,7 +80,7 @@ def _load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: L
     stats.bytes = checkpoint.reader.bytes_read
     _agree_on_reading(coord, planned, read, checkpoint, result, options.strict)
     with stats.phase("apply"):
-        applied = Outcome.of(lambda: _apply(state, planned.value, read.value))
+        applied = Outcome.of(lambda: _apply(planned.value, read.value))
     # every rank's metrics record travels on the final agreement: monitoring adds no exchange
     every_rank = all_agree(coord, Outcome(monitor.rank_wire(), applied.error),
                            f"restoring the state loaded from {checkpoint.path}")
@@ -97,7 +95,7 @@ class _Plan:
     """What the live state wants: its values by name, the reads that fill its tensors, and the names
     of the values to decode."""
 
-    adapter: FrameworkAdapter | None
+    state: StateValues
     wanted: dict[str, Any]
     names: NameMatch
     ops: list[ReadOp] = field(default_factory=list)
@@ -108,9 +106,9 @@ class _Plan:
 
 def _plan(state: dict[str, Any], checkpoint: Checkpoint, result: LoadResult, options: LoadOptions) -> _Plan:
     manifest = checkpoint.manifest
-    adapter = adapter_for(state, options.framework) if any(k in state for k in RESHARDED) else None
-    wanted = collect(state, adapter, for_load=True, saved=checkpoint.objects, path=result.path)
-    plan = _Plan(adapter, wanted, match_names(wanted, checkpoint, options.strict))
+    live = collect(state, options.framework, for_load=True, saved_tensors=checkpoint.tensors,
+                   saved_objects=checkpoint.objects, path=result.path)
+    plan = _Plan(live, live.values, match_names(live.values, checkpoint, options.strict))
     result.loaded, result.missing = plan.names.loaded, plan.names.missing
     pieces: list[Piece] = []
     for name in result.loaded:
@@ -157,12 +155,12 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
         loaded = {name: plan.wanted[name] for name in result.loaded if name in checkpoint.tensors}
         sources: dict[str, int] = {}
         for name in plan.values:
-            if name in MERGED_ACROSS_RANKS:
+            if name in plan.state.merged:
                 merged = checkpoint.distinct_values(name, allow_pickle=allow_pickle)
                 loaded[name] = [item for value in merged for item in value]
                 continue
             sources[name] = source = checkpoint.value_source(name, coord.rank)
-            if source != coord.rank and is_per_rank(name):
+            if source != coord.rank and name in plan.state.per_rank:
                 result.from_rank0.append(name)
         loaded.update(checkpoint.read_objects(sources, allow_pickle=allow_pickle))
     return loaded
@@ -180,9 +178,9 @@ def _agree_on_reading(coord: Coordinator, planned: Outcome, read: Outcome, check
                                 "(pass strict=False to load the overlap)", path=checkpoint.path)
 
 
-def _apply(state: dict[str, Any], plan: _Plan, loaded: dict[str, Any]) -> None:
+def _apply(plan: _Plan, loaded: dict[str, Any]) -> None:
     """Every rank has read and verified everything: place staged bytes into the live tensors, then
     give the values back to the live objects."""
     for piece, staging in plan.staged:
         piece.tensor.copy_(staging)
-    apply(state, plan.adapter, loaded)
+    plan.state.apply(loaded)

@@ -13,10 +13,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from bcp.adapters import adapter_for
 from bcp.adapters.dataloader import COMPONENT as DATALOADER
 from bcp.adapters.dataloader import DataloaderState, check_writers
-from bcp.api.components import RESHARDED, check_keys, collect
+from bcp.api.components import check_keys, collect
 from bcp.api.gc_pause import paused_gc
 from bcp.api.location import resolve
 from bcp.api.metrics import Monitor
@@ -51,7 +50,8 @@ def save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options:
          **keywords: Any) -> SaveHandle:
     """Save ``state`` (a dict of components) to ``path``; every rank calls it with its own objects.
 
-    ``model``/``optimizer`` are saved resharding-ready; other components are saved per rank.
+    Modules, optimizers and sharded tensors anywhere in the (nested) state are saved
+    resharding-ready; other values are saved per rank (``docs/architecture.md``).
     ``options`` (:class:`SaveOptions`), or its fields as keywords: ``async_save`` returns once the
     state is copied to host memory and the handle's ``wait()`` returns when it is committed (and
     raises if it failed); ``allow_pickle`` lets values outside the safe encoding be pickled (the
@@ -144,20 +144,19 @@ def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> _Coll
 
 
 def _collected(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
-    adapter = adapter_for(state, options.framework) if any(k in state for k in RESHARDED) else None
+    collected = collect(state, options.framework, for_load=False)
     tensors: list[tuple[str, Any, tuple[int, ...]]] = []
     pieces: list[Piece] = []
     values: list[ValueWrite] = []
-    for name, value in collect(state, adapter, for_load=False).items():
-        if name.split("/", 1)[0] in RESHARDED and is_tensor_value(value):
+    for name, value in collected.values.items():
+        if name in collected.resharded and is_tensor_value(value):
             tensors.append((name, *tensor_meta(name, value)))
             pieces.extend(pieces_of(name, value))
         else:
             values.append(ValueWrite.of(name, encode_value(value, key=name, allow_pickle=options.allow_pickle)))
     crcs = [crc_of(byte_view(host_contiguous(p.tensor))) for p in pieces] if options.verify_replicas else None
     loader = state.get(DATALOADER)
-    return _Collected(tensors, pieces, values, crcs, structure_key(tensors, pieces),
-                      adapter.name if adapter else "none",
+    return _Collected(tensors, pieces, values, crcs, structure_key(tensors, pieces), collected.framework,
                       loader.declaration() if isinstance(loader, DataloaderState) else None)
 
 
