@@ -19,6 +19,7 @@ from bcp.api.gc_pause import paused_gc
 from bcp.api.metrics import Monitor
 from bcp.api.names import NameMatch, listing, match_names, unexpected_across_ranks
 from bcp.api.options import LoadOptions
+from bcp.api.per_rank import warn_world_change, world_change
 from bcp.api.results import LoadResult, PhaseStats
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
@@ -163,6 +164,11 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
             if source != coord.rank and name in plan.state.per_rank:
                 result.from_rank0.append(name)
         loaded.update(checkpoint.read_objects(sources, allow_pickle=allow_pickle))
+    result.duplicated, result.dropped = world_change(
+        checkpoint.objects, [name for name in plan.values if name in plan.state.per_rank], coord.world_size)
+    if coord.rank == 0:
+        warn_world_change(checkpoint.path, checkpoint.manifest.world_size, coord.world_size, result.duplicated,
+                          result.dropped)
     return loaded
 
 

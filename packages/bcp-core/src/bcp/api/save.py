@@ -42,6 +42,7 @@ from bcp.planning.assembly import assemble_manifest
 from bcp.planning.pieces import pieces_of, tensor_meta
 from bcp.planning.plan_cache import CachedPlan
 from bcp.planning.save_plan import PlanColumns, global_plan, structure_key, writes_of
+from bcp.planning.shared_values import digests, values_to_write
 from bcp.storage import Storage
 from bcp.version import __version__
 
@@ -102,12 +103,13 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
     with stats.phase("collect"):
         collected = Outcome.of(lambda: _collect(state, options, location.display))
     with stats.phase("plan"):
-        generation, plan = _agree_on_plan(coord, location, collected, rt, cache=not options.verify_replicas)
+        generation, plan, value_digests = _agree_on_plan(coord, location, collected, rt,
+                                                         cache=not options.verify_replicas)
     monitor.generation = generation
     pieces = writes_of(collected.value.pieces, plan.writes)
     writer = GenerationWriter(location, generation, threads=options.io_threads)
     manifest_of = _manifest_builder(generation, collected.value.framework, plan)
-    values = collected.value.values
+    values = values_to_write(coord.rank, collected.value.values, value_digests)
     if not options.async_save:
         write_generation(coord, writer, pieces, values, manifest_of, stats, monitor=monitor)
         return SaveHandle(location.display, generation, stats, monitor=monitor)
@@ -164,15 +166,17 @@ def _collected(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
 class _Proposal:
     """A rank's word on the plan: whether its cached plan still fits, (rank 0) the generation, a
     digest of the checkpoint it names and what it declares of its dataloader parts (the last two
-    checked by every rank before anything is written)."""
+    checked by every rank before anything is written), and a digest of each of its per-rank values
+    (identical ones are written once, ``planning.shared_values``)."""
 
     cache_hit: bool
     generation: int | None
     target_digest: int
     dataloader: list[int] | None
+    values: list[list[Any]]
 
     def to_wire(self) -> list[Any]:
-        return [self.cache_hit, self.generation, self.target_digest, self.dataloader]
+        return [self.cache_hit, self.generation, self.target_digest, self.dataloader, self.values]
 
     @staticmethod
     def from_wire(wire: list[Any]) -> "_Proposal":
@@ -180,8 +184,9 @@ class _Proposal:
 
 
 def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, rt: Runtime,
-                   cache: bool) -> tuple[int, CachedPlan]:
-    """The generation to write and this rank's share of the global plan. When every rank's
+                   cache: bool) -> tuple[int, CachedPlan, list[list[list[Any]]]]:
+    """The generation to write, this rank's share of the global plan and every rank's value
+    digests. When every rank's
     structure is unchanged since the previous save, the cached global plan is reused after one
     small exchange (every rank's hit flag, and rank 0's generation, to every rank); otherwise local
     plans are gathered and planned again."""
@@ -194,7 +199,8 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
         if collected.error is not None:
             raise collected.error
         return _Proposal(hit is not None, location.claim_next_generation() if coord.rank == 0 else None,
-                         _digest(location.target), collected.value.dataloader).to_wire()
+                         _digest(location.target), collected.value.dataloader,
+                         digests(collected.value.values)).to_wire()
 
     proposals = [_Proposal.from_wire(wire) for wire in all_agree(coord, Outcome.of(propose), what)]
     try:  # every rank holds every proposal, so every rank raises the same error here
@@ -204,8 +210,9 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
     except CheckpointError as exc:
         raise exc.at(location.display)
     generation = proposals[0].generation
+    value_digests = [proposal.values for proposal in proposals]
     if all(proposal.cache_hit for proposal in proposals):
-        return generation, hit
+        return generation, hit, value_digests
     kept: dict[str, PlanColumns] = {}
 
     def plan_globally(plans: list[Any]) -> list[Any]:
@@ -216,7 +223,7 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
     planned = CachedPlan(structure, RankAssignment.from_wire(share), kept.get("columns"))
     if cache:
         rt.plan_cache.put(key, planned)
-    return generation, planned
+    return generation, planned, value_digests
 
 
 def _digest(target: str) -> int:

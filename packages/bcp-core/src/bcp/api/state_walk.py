@@ -125,7 +125,7 @@ def _visit(parts: StateParts, path: str, value: Any, container: Any, key: Any) -
         parts.optimizers.append(OptimizerComponent(
             path, [i.optimizer if isinstance(i, PairedOptimizer) else i for i in items],
             [i.module if isinstance(i, PairedOptimizer) else None for i in items]))
-    elif top and path in STATE_DICT_KEYS and isinstance(value, Mapping) and not _holds_parts(value):
+    elif top and path in STATE_DICT_KEYS and isinstance(value, Mapping) and not _holds_parts(value, tensors=False):
         if path == MODEL:
             parts.modules.append(ModuleComponent(path, [value]))
         else:
@@ -162,14 +162,17 @@ def _is_sharded_tensor(value: Any) -> bool:
     return isinstance(value, (TensorShard, FlatShard)) or is_dtensor(value)
 
 
-def _holds_parts(value: Any) -> bool:
-    """Whether ``value`` holds anything other than per-rank data (so it is walked, not encoded)."""
-    if _is_module(value) or _is_optimizer(value) or isinstance(value, DataloaderState) or _is_sharded_tensor(value):
+def _holds_parts(value: Any, tensors: bool = True) -> bool:
+    """Whether ``value`` holds anything other than per-rank data (so it is walked, not encoded);
+    without ``tensors``, anything other than per-rank data and sharded tensors (a state dict)."""
+    if _is_module(value) or _is_optimizer(value) or isinstance(value, DataloaderState):
         return True
+    if _is_sharded_tensor(value):
+        return tensors
     if isinstance(value, torch.Tensor):
         return False
     if isinstance(value, Mapping):
-        return any(_holds_parts(v) for v in value.values())
+        return any(_holds_parts(v, tensors) for v in value.values())
     if isinstance(value, list):
-        return any(_holds_parts(v) for v in value)
+        return any(_holds_parts(v, tensors) for v in value)
     return is_stateful(value)
