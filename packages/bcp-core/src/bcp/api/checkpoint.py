@@ -217,8 +217,9 @@ def _manifest_files(location: Location, generation: int | None) -> list[Any]:
 
 def _committed(location: Location, generation: int) -> int:
     if generation not in location.generations():
-        raise CheckpointNotFoundError(f"there is no {generation_dir(generation)} (generations: "
-                                      f"{location.generations()})", path=location.display)
+        kept = [g for g in location.generations() if location.is_committed(g)]
+        raise CheckpointNotFoundError(f"there is no generation {generation} ({generation_dir(generation)}); the "
+                                      f"committed generations kept are {kept}", path=location.display)
     if not location.is_committed(generation):
         raise CheckpointNotCommittedError(f"{generation_dir(generation)} was never committed", path=location.display)
     return generation

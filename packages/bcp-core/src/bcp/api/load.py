@@ -36,7 +36,8 @@ from bcp.storage import Storage
 @paused_gc()  # a load of thousands of tensors builds a few records per tensor, none in cycles
 def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: LoadOptions | None = None,
          **keywords: Any) -> LoadResult:
-    """Load the newest committed checkpoint at ``path`` into ``state`` (in place).
+    """Load the newest committed checkpoint at ``path`` (or the kept ``generation``) into ``state``
+    (in place).
 
     Model and optimizer are resharded into the layout they have now. ``options``
     (:class:`LoadOptions`), or its fields as keywords: with ``strict``, every requested entry must be
@@ -46,6 +47,7 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
     replicas) are read from storage by one of them and sent to the others over the process group;
     ``transactional`` (default) leaves the live state untouched when the load fails; with
     ``cast_dtype``, a tensor saved in another dtype than the live one is converted instead of refused;
+    ``generation`` loads an older kept generation;
     ``framework``, ``role``, ``coordinator``, ``allow_pickle``, ``io_threads``.
     """
     options = (options or LoadOptions()).merged(keywords)
@@ -66,8 +68,8 @@ def _load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: L
     stats = monitor.stats
     monitor.begin(path)
     with stats.phase("metadata"):
-        checkpoint = open_checkpoint(path, role=options.role, verify=options.verify, io_threads=options.io_threads,
-                                     coordinator=coord)
+        checkpoint = open_checkpoint(path, role=options.role, generation=options.generation, verify=options.verify,
+                                     io_threads=options.io_threads, coordinator=coord)
     monitor.location, monitor.generation = checkpoint.location, checkpoint.generation
     manifest = checkpoint.manifest
     result = LoadResult(checkpoint.path, checkpoint.generation, manifest.world_size, manifest.framework,
