@@ -31,14 +31,16 @@ def _with_ema(kind: str, seed: int) -> tuple[nn.Module, nn.Module, torch.optim.O
     return model, ema, optimizer
 
 
+def _optimizer_tensors(prefix: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    names = {id(p): n.removeprefix("module.") for n, p in model.named_parameters()}
+    return {f"{prefix}/{names[id(p)]}/{key}": full(value).detach().clone()
+            for group in optimizer.param_groups for p in group["params"]
+            for key, value in optimizer.state.get(p, {}).items()}
+
+
 def _whole(model: nn.Module, ema: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = model_state(model) | {k.replace("model/", "ema/", 1): v for k, v in model_state(ema).items()}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, value in optimizer.state.get(p, {}).items():
-                out[f"optimizer/{names[id(p)]}/{key}"] = full(value).detach().clone()
-    return out
+    return (model_state(model) | {k.replace("model/", "ema/", 1): v for k, v in model_state(ema).items()}
+            | _optimizer_tensors("optimizer", model, optimizer))
 
 
 def save_with_ema(path: str) -> dict | None:
@@ -92,11 +94,7 @@ def _two_models_whole(state: dict) -> dict[str, torch.Tensor]:
     for name, optimizer in (("student", state["opt_student"]), ("teacher", state["opt_teacher"])):
         model = state["nets"][name]
         out |= {f"{name}/{k}": v for k, v in model_state(model).items()}
-        names = {id(p): n for n, p in model.named_parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                for key, value in optimizer.state.get(p, {}).items():
-                    out[f"{name}/opt/{names[id(p)].removeprefix('module.')}/{key}"] = full(value).detach().clone()
+        out |= _optimizer_tensors(f"{name}/opt", model, optimizer)
     return out
 
 
