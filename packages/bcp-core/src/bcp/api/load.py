@@ -23,7 +23,6 @@ from bcp.api.per_rank import warn_world_change, world_change
 from bcp.api.results import LoadResult, PhaseStats
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
-from bcp.engine.redistribute import read_and_share
 from bcp.errors import CheckpointError, MismatchError
 from bcp.layout.piece import Piece
 from bcp.layout.read_op import ReadOp, ReadRequest, ReadRole
@@ -80,7 +79,7 @@ def _load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: L
         planned.error.at(checkpoint.path)
     roles = _read_once_roles(coord, planned, checkpoint) if options.read_once else None
     read = Outcome.of(lambda: _read(planned, checkpoint, roles, coord, result, options.allow_pickle))
-    stats.bytes = checkpoint.reader.bytes_read
+    stats.bytes = checkpoint.bytes_read
     _agree_on_reading(coord, planned, read, checkpoint, result, options.strict)
     with stats.phase("apply"):
         applied = Outcome.of(lambda: _apply(planned.value, read.value))
@@ -151,10 +150,9 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
     plan: _Plan = planned.value
     with result.stats.phase("read"):
         if roles is None:
-            checkpoint.reader.run(plan.ops, checkpoint.io_threads)
+            checkpoint.run_reads(plan.ops)
         else:
-            result.stats.received_bytes = read_and_share(checkpoint.reader, plan.ops, roles, coord.process_group(),
-                                                         checkpoint.io_threads)
+            result.stats.received_bytes = checkpoint.run_reads_shared(plan.ops, roles, coord.process_group())
         loaded = {name: plan.wanted[name] for name in result.loaded if name in checkpoint.tensors}
         sources: dict[str, int] = {}
         for name in plan.values:
