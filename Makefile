@@ -1,7 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Both set up .venv on first use.
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-quick bench bench-full proto clean
+.PHONY: setup demo test test-quick bench bench-full bench-docs proto clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -16,12 +16,17 @@ test: setup
 test-quick: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not distributed" tests
 
-# Side-by-side benchmarks (docs/benchmarks.md): a quick run, or the ~2 GB one on a quiet machine.
+# Side-by-side benchmarks: a quick run, or the ~2 GB one on a quiet machine. Both write their report
+# under benchmarks/results/ (ignored by git) and print the targets; neither touches docs/.
 bench: setup
 	$(PY) benchmarks/run.py --quick
 
 bench-full: setup
 	$(PY) benchmarks/run.py --full
+
+# docs/benchmarks.md's generated blocks from the newest full run (or RESULT=benchmarks/results/<run>.json).
+bench-docs: setup
+	$(PY) benchmarks/publish.py $(RESULT)
 
 # The gRPC coordinator's Python stubs, regenerated from its .proto (committed; rerun after editing it).
 proto: setup

@@ -1,12 +1,14 @@
 """Side-by-side checkpointing benchmark: bcp next to DCP (default, tuned, async), torch.save,
-safetensors and the disk's own floors, on one state, in one run; writes ``docs/benchmarks.md``.
+safetensors and the disk's own floors, on one state, in one run; prints the targets at the end.
 
-    .venv/bin/python benchmarks/run.py            # quick: 256 MB state, a few minutes
-    .venv/bin/python benchmarks/run.py --full     # ~2 GB state, as the issue asks (quiet machine)
+    .venv/bin/python benchmarks/run.py            # quick: 256 MB state, a few minutes (make bench)
+    .venv/bin/python benchmarks/run.py --full     # ~2 GB state, the reference figures (make bench-full)
     .venv/bin/python benchmarks/run.py --size-mb 64 --reps 5 --only single
 
 Each group of cases runs in fresh processes (1 process; 2 gloo processes; 1 process for memory),
-then ``planning_scale.py`` runs once. Raw results go to ``benchmarks/results/<profile>.json``.
+then ``planning_scale.py`` runs once. The report and the raw results go to
+``benchmarks/results/<date>-<time>-<profile>.md`` and ``.json``, which git ignores; the tracked
+``docs/benchmarks.md`` changes only through ``benchmarks/publish.py`` (``make bench-docs``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from bcpbench import distributed, memory, single
 from bcpbench.disk import free_bytes, remove
 from bcpbench.launch import launch
 from bcpbench.record import Record
-from bcpbench.report import render
+from bcpbench.report import render, summary
 from bcpbench.state import gpt_shapes, shapes_nbytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,9 +52,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--dcp-threads", type=int, default=4, help="thread_count of the tuned DCP writer")
     parser.add_argument("--saves", type=int, default=20, help="consecutive async saves of the memory case")
     parser.add_argument("--workdir", help="where checkpoints are written (default: a new temporary folder)")
-    parser.add_argument("--out", default=os.path.join(HERE, "..", "docs", "benchmarks.md"),
-                        help="the report (default: docs/benchmarks.md)")
-    parser.add_argument("--json", help="raw results (default: benchmarks/results/<profile>.json)")
+    parser.add_argument("--out", help="the report (default: benchmarks/results/<date>-<time>-<profile>.md)")
+    parser.add_argument("--json", help="raw results (default: the report's name, ending .json)")
     parser.add_argument("--note", action="append", default=[], help="a line to show at the top of the report")
     parser.set_defaults(profile="quick")
     return parser.parse_args()
@@ -76,6 +77,7 @@ def main() -> None:
     shapes = gpt_shapes(size_bytes)
     run = {
         "profile": args.profile, "command": " ".join(["benchmarks/run.py", *map(shlex.quote, sys.argv[1:])]),
+        "commit": _commit(),
         "started": datetime.datetime.fromtimestamp(started).strftime("%Y-%m-%d %H:%M"), "reps": reps,
         "state_mb": shapes_nbytes(shapes) / 1e6, "tensors": len(shapes),
         "torch_threads_1p": record.figures.get("torch_threads_1p", "?"), "io_threads": args.io_threads,
@@ -85,16 +87,20 @@ def main() -> None:
         "planning_scale": _planning_scale() if "planning" in args.only else None,
     }
     run["minutes"] = (time.time() - started) / 60
-    _write(args.json or os.path.join(HERE, "results", f"{args.profile}.json"), {"run": run, **record.to_dict()})
+    stamp = time.strftime("%Y-%m-%d-%H%M", time.localtime(started))
+    out = args.out or os.path.join(HERE, "results", f"{stamp}-{args.profile}.md")
+    raw = args.json or os.path.splitext(out)[0] + ".json"
+    _write(raw, {"run": run, **record.to_dict()})
     notes = list(args.note)
     if args.profile == "quick":
-        notes.append(f"Quick run ({run['state_mb']:.0f} MB state): `benchmarks/run.py --full` measures the ~2 GB "
-                     "state the issue asks for.")
+        notes.append(f"Quick run ({run['state_mb']:.0f} MB state): `make bench-full` measures the ~2 GB state "
+                     "of the reference figures in docs/benchmarks.md.")
     if reps < 5:
         notes.append(f"Only {reps} repetition(s): too few to compare methods on this disk (5 or more).")
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         f.write(render(record, run, notes))
-    print(f"[bench] wrote {os.path.normpath(args.out)}", flush=True)
+    print(f"\n{summary(record, run)}\n[bench] report: {os.path.normpath(out)}\n[bench] raw results: "
+          f"{os.path.normpath(raw)}", flush=True)
 
 
 def _run_groups(only: list[str], config: dict, timeout_s: float) -> Record:
@@ -138,6 +144,18 @@ def _versions() -> str:
     names = ("bcp-core", "safetensors", "numpy")
     return ", ".join([f"torch {torch.__version__}", *(f"{n} {metadata.version(n)}" for n in names),
                       f"Python {sys.version.split()[0]}"])
+
+
+def _commit() -> str:
+    """The code measured: its commit, marked ``+changes`` when the work tree differs from it."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", HERE, *args], capture_output=True, text=True, check=False)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "unknown (not a git checkout)"
+    return commit + (" +changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _load() -> str:

@@ -2,13 +2,17 @@
 
     .venv/bin/python benchmarks/s3_compare.py                 # ~1 GB of GPT-like fp32 state, 3 reps
     .venv/bin/python benchmarks/s3_compare.py --size-mb 128 --reps 2
+    .venv/bin/python benchmarks/s3_compare.py --worlds 2 --max-requests 4 8 16   # the cap, side by side
 
 For 1 and 2 processes (gloo, the state cut on dim 0 as DTensors when 2): the raw floor (obstore's
-parallel multipart upload of each process's bytes as one object, and parallel 16 MiB ranged GETs
-back: the settings bcp's S3 backend uses), bcp save/load (same layout; with 2 processes also a load
-resharded to dim 1) and DCP through ``FsspecWriter``/``FsspecReader`` (default, and the writer with
-``thread_count`` = bcp's threads). The server is ``tests/s3_test_server.py``'s, started here and
-killed at the end. Prints a markdown table of medians (seconds) and ratios.
+parallel multipart upload of each process's bytes as one object, 16 MiB parts 8 at a time, and
+parallel 16 MiB ranged GETs back; with 2 processes also each process reading every process's bytes,
+the floor of a load resharded to dim 1), bcp save/load at its defaults (same layout; with 2 processes also
+a load resharded to dim 1), once per ``--max-requests`` value (the S3 backend's cap on requests in
+flight: rows without a cap in their name ran with the first value) and DCP through ``FsspecWriter``/``FsspecReader`` (s3fs; default,
+and the writer with ``thread_count`` = bcp's I/O threads). The server is ``tests/s3_test_server.py``'s,
+started here and killed at the end. The cases run in rounds (each case once per round) so that a shared
+machine's drifting load weighs on all alike. Prints a markdown table of medians (seconds) and ratios.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,7 +71,9 @@ def cases(config: dict) -> dict:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     import bcp
+    from bcp.api.options import DEFAULT_IO_THREADS
     from bcp.storage import S3Storage
+    from bcp.storage.s3_connection import MAX_REQUESTS
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -111,16 +119,42 @@ def cases(config: dict) -> dict:
 
     results: dict[str, list[float]] = {}
     reps = config["reps"]
-    threads = config["io_threads"]
+    threads = config["io_threads"] or DEFAULT_IO_THREADS
+    caps = config["max_requests"] or [MAX_REQUESTS]
+
+    # Each case: (name, work, before, after); every round runs them all once, in this order, so that the
+    # load of a shared machine drifting during the run weighs on every case alike.
+    case_list: list[tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any]]] = []
+    nothing: Callable[[], Any] = lambda: None  # noqa: E731
+    next_checkpoint = lambda: (clean(), new_prefix())  # noqa: E731
 
     # Raw floor: this process's bytes as one object, uploaded in parallel parts and read back by ranges.
     views = [memoryview(t.numpy()).cast("B") for t in locals_]
     raw_key = lambda: f"bench-{config['run']}-w{world}/{fresh[-1]}/raw-{rank}"  # noqa: E731
-    results["raw save"] = _timed(lambda: obstore.put(bucket_store, raw_key(), iter(views), chunk_size=PART,
-                                                     max_concurrency=8), reps, lambda: (clean(), new_prefix()))
     starts = list(range(0, nbytes, PART))
-    results["raw load"] = _timed(lambda: obstore.get_ranges(bucket_store, raw_key(), starts=starts,
-                                                            ends=[min(s + PART, nbytes) for s in starts]), reps)
+    case_list.append(("raw save", lambda: obstore.put(bucket_store, raw_key(), iter(views), chunk_size=PART,
+                                                      max_concurrency=8), next_checkpoint, nothing))
+    case_list.append(("raw load", lambda: obstore.get_ranges(bucket_store, raw_key(), starts=starts,
+                                                             ends=[min(s + PART, nbytes) for s in starts]),
+                      nothing, nothing))
+    if world > 1:
+        # A load resharded from dim 0 to dim 1 needs half of every saved row: spans of a few KiB spread
+        # over every process's file, which no reader fetches one by one. Its floor is the raw read of
+        # every process's bytes by each process.
+        sizes = [0] * world
+        dist.all_gather_object(sizes, nbytes)
+
+        def raw_load_all() -> None:
+            def one(owner: int) -> None:
+                key = raw_key().rsplit("-", 1)[0] + f"-{owner}"
+                ranges = list(range(0, sizes[owner], PART))
+                obstore.get_ranges(bucket_store, key, starts=ranges,
+                                   ends=[min(s + PART, sizes[owner]) for s in ranges])
+
+            with ThreadPoolExecutor(world) as pool:
+                list(pool.map(one, range(world)))
+
+        case_list.append(("raw load, every process's bytes", raw_load_all, nothing, nothing))
 
     def zeros(dim: int) -> dict[str, Any]:
         return layout(dim, lambda n: torch.zeros(local_shape(shapes[n], dim, world)))
@@ -130,30 +164,31 @@ def cases(config: dict) -> dict:
             local = t.to_local() if mesh is not None else t
             assert torch.equal(local, piece(n, dim)), n
 
-    def bcp_save() -> None:
-        bcp.save(S3Storage(f"{base}/{fresh[-1]}"), {"model": state}, bcp.SaveOptions(io_threads=threads))
+    def loads(name: str, load: Callable[[dict[str, Any]], Any], suffix: str = "") -> None:
+        """The same-layout load and, with 2 processes, the load resharded to dim 1, each checked."""
+        for dim in ([0] if world == 1 else [0, 1]):
+            targets: dict[str, Any] = {}
+            case_list.append((f"{name} load{' resharded' if dim else ''}{suffix}", partial(load, targets),
+                              partial(lambda t, d: t.update(zeros(d)), targets, dim), partial(check, targets, dim)))
 
-    results["bcp save"] = _timed(bcp_save, reps, lambda: (clean(), new_prefix()))
-    dims = [0] if world == 1 else [0, 1]
-    for dim in dims:
-        targets: dict[str, Any] = {}
-
-        def bcp_load() -> None:
-            bcp.load(S3Storage(f"{base}/{fresh[-1]}"), {"model": targets}, bcp.LoadOptions(io_threads=threads))
-
-        results[f"bcp load{' resharded' if dim else ''}"] = _timed(
-            bcp_load, reps, lambda: targets.update(zeros(dim)))
-        check(targets, dim)
+    for cap in caps:
+        named = "" if cap == caps[0] else f", max_requests={cap}"
+        case_list.append((f"bcp save{named}", partial(lambda c: bcp.save(
+            S3Storage(f"{base}/{fresh[-1]}", max_requests=c), {"model": state},
+            bcp.SaveOptions(io_threads=threads)), cap), next_checkpoint, nothing))
+        loads("bcp", partial(lambda c, targets: bcp.load(
+            S3Storage(f"{base}/{fresh[-1]}", max_requests=c), {"model": targets},
+            bcp.LoadOptions(io_threads=threads)), cap), named)
 
     for name, writer in (("DCP save", {}), (f"DCP save, thread_count={threads}", {"thread_count": threads})):
-        results[name] = _timed(lambda: dcp.save(state, storage_writer=FsspecWriter(
-            f"{base}/{fresh[-1]}", sync_files=False, **writer)), reps, lambda: (clean(), new_prefix()))
-    for dim in dims:
-        targets = {}
-        results[f"DCP load{' resharded' if dim else ''}"] = _timed(
-            lambda: dcp.load(targets, storage_reader=FsspecReader(f"{base}/{fresh[-1]}")), reps,
-            lambda: targets.update(zeros(dim)))
-        check(targets, dim)
+        case_list.append((name, partial(lambda w: dcp.save(state, storage_writer=FsspecWriter(
+            f"{base}/{fresh[-1]}", sync_files=False, **w)), writer), next_checkpoint, nothing))
+    loads("DCP", lambda targets: dcp.load(targets, storage_reader=FsspecReader(f"{base}/{fresh[-1]}")))
+
+    for _ in range(reps):
+        for name, work, before, after in case_list:
+            results.setdefault(name, []).extend(_timed(work, 1, before))
+            after()
     fresh.append("")
     clean()
     return {"nbytes": nbytes * world, "times": results}
@@ -164,8 +199,10 @@ def table(world: int, result: dict) -> str:
     gb = result["nbytes"] / 1e9
     rows = [f"### {world} process{'es' if world > 1 else ''}, {result['nbytes'] / 1e6:.0f} MB", "",
             "| case | median s | GB/s | vs raw floor | bcp vs this |", "| --- | --- | --- | --- | --- |"]
+    floors = {"save": med["raw save"], "load": med["raw load"],
+              "resharded": med.get("raw load, every process's bytes", med["raw load"])}
     for name, seconds in med.items():
-        floor = med["raw save"] if "save" in name else med["raw load"]
+        floor = floors["save" if "save" in name else "resharded" if "resharded" in name else "load"]
         mine = med["bcp save"] if "save" in name else med["bcp load resharded" if "resharded" in name else "bcp load"]
         rows.append(f"| {name} | {seconds:.2f} | {gb / seconds:.2f} | {floor / seconds:.2f}x | "
                     f"{'' if name.startswith('bcp') or name.startswith('raw') else f'{seconds / mine:.2f}x'} |")
@@ -176,7 +213,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=float, default=1024)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--io-threads", type=int, default=4)
+    parser.add_argument("--io-threads", type=int, help="bcp's and DCP's I/O threads (default: bcp's default)")
+    parser.add_argument("--max-requests", type=int, nargs="+",
+                        help="the S3 backend's caps on requests in flight to try (default: its default)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--json", help="where to write the raw timings")
     args = parser.parse_args()
@@ -186,12 +225,13 @@ def main() -> None:
         server = seaweedfs.start(directory)
         try:
             config = {"size_bytes": int(args.size_mb * (1 << 20)), "reps": args.reps, "io_threads": args.io_threads,
+                      "max_requests": args.max_requests,
                       "env": server.env(), "bucket": seaweedfs.BUCKET, "run": uuid.uuid4().hex[:6]}
             results = {w: launch(cases, w, config, timeout_s=3000) for w in args.worlds}
         finally:
             seaweedfs.stop(server)
     print(f"state {shapes_nbytes(gpt_shapes(config['size_bytes'])) / 1e6:.0f} MB, {args.reps} reps, "
-          f"io_threads {args.io_threads}\n")
+          f"io_threads {args.io_threads or 'default'}, max_requests {args.max_requests or 'default'}\n")
     for world, result in results.items():
         print(table(world, result) + "\n")
     if args.json:

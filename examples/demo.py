@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
-import socket
 import sys
 import tempfile
 
@@ -73,28 +72,25 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 
 
 def run_ranks(world: int, fn, *args) -> list:
-    port = _free_port()
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_rank_main, args=(world, port, queue, fn, args), nprocs=world, join=True)
+    with tempfile.TemporaryDirectory(prefix="bcp-demo-rendezvous-") as meeting:
+        # The ranks meet through a file, not a TCP port chosen in advance that another program
+        # could take before rank 0 listens on it.
+        init = f"file://{os.path.join(meeting, 'store')}"
+        mp.spawn(_rank_main, args=(world, init, queue, fn, args), nprocs=world, join=True)
     results = dict(pickle.loads(queue.get()) for _ in range(world))
     return [results[r] for r in range(world)]
 
 
-def _rank_main(rank: int, world: int, port: int, queue, fn, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank: int, world: int, init: str, queue, fn, args) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     try:
         # Plain pickle copies tensor data: the rank exits before the parent reads its result.
         queue.put(pickle.dumps((rank, fn(rank, world, *args))))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def save_phase(rank: int, world: int, path: str):

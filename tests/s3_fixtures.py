@@ -1,5 +1,7 @@
 """The S3 fixtures every test folder can use (``conftest.py`` imports them): one real SeaweedFS S3
-server per session, started on first use (``s3_test_server``) and killed at the end."""
+server per session, started on first use (``s3_test_server``) and killed at the end, serving HTTP
+and HTTPS (with a certificate authority made for the session, ``s3_tls``), with an STS that issues
+temporary credentials."""
 
 from __future__ import annotations
 
@@ -7,12 +9,14 @@ import uuid
 
 import pytest
 import s3_test_server as seaweedfs
+import s3_tls
 
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """One real SeaweedFS S3 server for the session's tests."""
-    server = seaweedfs.start(str(tmp_path_factory.mktemp("seaweedfs")))
+    tls = s3_tls.make(str(tmp_path_factory.mktemp("s3-tls")))
+    server = seaweedfs.start(str(tmp_path_factory.mktemp("seaweedfs")), tls=tls, sts=True)
     yield server
     seaweedfs.stop(server)
 

@@ -1,9 +1,12 @@
-"""``docs/benchmarks.md`` from one run's record: the targets, then every case's table (medians,
-bandwidth, ratio to the disk's floor and to DCP), then the single figures."""
+"""One run's record as Markdown, cut into named blocks, one per checkpoint path: how it was
+measured, the targets, saves, loads, async saves, FSDP1 saves, per-tensor overhead and phases,
+planning at scale, and how to read a missed target. ``render`` joins every block into the run's
+results file; ``benchmarks/publish.py`` puts the same blocks into ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 from bcpbench import distributed as d2
@@ -13,44 +16,64 @@ from bcpbench.methods import FIRST_SAVE
 from bcpbench.record import Record
 from bcpbench.targets import BARE_COPY, DCP, MEMCPY, checks, floor_seconds, per_tensor_ms, ratio
 
-SECTIONS = [
-    ("1 process", [d1.SAVE, d1.COLD, d1.WARM]),
-    ("2 processes, DTensor Shard(0)", [d2.SAVE_SHARDED, d2.COLD_SAME, d2.WARM_SAME, d2.RESHARDED, d2.TO_ONE]),
-    ("2 processes, DTensor Shard(1) loaded as Shard(0)", [d2.SAVE_COLUMNS, d2.ROWS_FROM_COLUMNS]),
-    ("2 processes, DP-replicated", [d2.SAVE_REPLICATED, d2.LOAD_REPLICATED]),
-    ("Async save, 1 process", [d1.ASYNC_BLOCK, d1.ASYNC_TOTAL]),
-    ("FSDP1 save (issue 3)", [fsdp1.BLOCKING, fsdp1.TOTAL]),
-]
+SAVES = [d1.SAVE, d2.SAVE_SHARDED, d2.SAVE_COLUMNS, d2.SAVE_REPLICATED]
+LOADS = [d1.COLD, d2.COLD_SAME, d2.LOAD_REPLICATED, d2.RESHARDED, d2.TO_ONE, d2.ROWS_FROM_COLUMNS, d1.WARM,
+         d2.WARM_SAME]
+ASYNC = [d1.ASYNC_BLOCK, d1.ASYNC_TOTAL]
+FSDP1 = [fsdp1.BLOCKING, fsdp1.TOTAL]
+
+
+def blocks(record: Record, run: dict[str, Any]) -> dict[str, tuple[str, list[str]]]:
+    """Block name -> (its title, its Markdown lines); a block the run did not measure has no lines."""
+    makers: dict[str, tuple[str, Callable[[], list[str]]]] = {
+        "run": ("How this was measured", lambda: _run_facts(run)),
+        "targets": ("Targets", lambda: _targets(record, run)),
+        "save": ("Saving", lambda: _cases(record, SAVES)),
+        "load": ("Loading", lambda: _cases(record, LOADS)),
+        "async": ("Async save", lambda: _cases(record, ASYNC) + _memory(record)),
+        "fsdp1": ("FSDP1 save", lambda: _cases(record, FSDP1) + _fsdp1_figures(record)),
+        "overhead": ("Per-tensor overhead and phases", lambda: _per_tensor(record) + _phases(record)),
+        "planning": ("Planning at scale", lambda: _planning_scale(run.get("planning_scale"))),
+        "reading": ("Reading a missed target", _reading),
+    }
+    return {name: (title, make()) for name, (title, make) in makers.items()}
 
 
 def render(record: Record, run: dict[str, Any], notes: list[str]) -> str:
+    """The whole results file of one run."""
     lines = [f"# Benchmarks{' (quick run)' if run['profile'] == 'quick' else ''}", ""]
     lines += [f"> {note}" for note in notes] + ([""] if notes else [])
-    lines += _run_facts(run)
-    lines += ["## Targets", "", ("Ratios to what was measured in the same run. `x` = times as fast "
-              "(bandwidth ratio); `%` and `ms` = as stated."), "",
-              "| target | where | measured | goal | verdict |", "| --- | --- | --- | --- | --- |"]
+    for title, body in blocks(record, run).values():
+        if body:
+            lines += [f"## {title}", ""] + body
+    return "\n".join(lines) + "\n"
+
+
+def summary(record: Record, run: dict[str, Any]) -> str:
+    """What a run prints at its end: the targets table."""
+    return "\n".join(_targets(record, run))
+
+
+def _targets(record: Record, run: dict[str, Any]) -> list[str]:
+    lines = [("Ratios to what was measured in the same run. `x` = times as fast (bandwidth ratio); `%` and "
+              "`ms` = as stated."), "",
+             "| target | where | measured | goal | verdict |", "| --- | --- | --- | --- | --- |"]
     for c in checks(record, run.get("planning_scale")):
         measured = "not measured" if c.measured is None else f"{c.measured:.3g}{c.unit}"
         goal = f"{'>=' if c.at_least else '<='} {c.goal:g}{c.unit}"
         verdict = {True: "met", False: "**missed**", None: "-"}[c.met]
         lines.append(f"| {c.target} | {c.where} | {measured} | {goal} | {verdict} |")
-    lines.append("")
-    for title, cases in SECTIONS:
-        present = [c for c in cases if c in record.samples]
-        if present:
-            lines += [f"## {title}", ""]
-            for case in present:
-                lines += _case_table(record, case)
-    lines += _per_tensor(record) + _phases(record) + _fsdp1_figures(record) + _memory(record)
-    lines += _planning_scale(run.get("planning_scale")) + _megatron() + _peer() + _reading()
-    return "\n".join(lines) + "\n"
+    return lines + [""]
+
+
+def _cases(record: Record, cases: list[str]) -> list[str]:
+    return [line for case in cases if case in record.samples for line in _case_table(record, case)]
 
 
 def _run_facts(run: dict[str, Any]) -> list[str]:
     m = run["machine"]
-    return ["## How this was measured", "",
-            f"- Command: `{run['command']}` ({run['started']}, {run['minutes']:.1f} min).",
+    return [f"- Command: `{run['command']}` ({run['started']}, {run['minutes']:.1f} min), code at "
+            f"commit {run.get('commit', 'unknown')}.",
             (f"- State: GPT-like fp32 tensors, {run['state_mb']:.0f} MB, {run['tensors']} tensors; "
              f"{run['reps']} timed repetitions after one untimed warm-up round, interleaved (each repetition "
              "runs every method once, in a rotating order); medians reported, spread in brackets."),
@@ -106,7 +129,7 @@ def _per_tensor(record: Record) -> list[str]:
     workload = record.figures.get("per-tensor workload")
     if not workload:
         return []
-    lines = ["## Per-tensor overhead", "",
+    lines = ["### Per-tensor overhead", "",
              (f"{workload['tensors']} tensors of {workload['bytes_each']} bytes vs the same bytes as one tensor "
               "(1 process, files warm for loads): (median for many - median for one) / count."), "",
              "| method | save ms/tensor | load ms/tensor |", "| --- | --- | --- |"]
@@ -125,7 +148,7 @@ def _phases(record: Record) -> list[str]:
     keys = sorted(k for k in record.figures if k.startswith(("bcp save phases", "bcp load phases")))
     if not keys:
         return []
-    lines = ["## bcp per-phase seconds (medians, rank 0)", "", "| what | phases |", "| --- | --- |"]
+    lines = ["### bcp per-phase seconds (medians, rank 0)", "", "| what | phases |", "| --- | --- |"]
     for key in keys:
         value = record.figures[key]
         samples = value if isinstance(value, list) else [value]
@@ -139,7 +162,7 @@ def _fsdp1_figures(record: Record) -> list[str]:
     if not model:
         return []
     state_dict = record.figures.get("DCP get_state_dict seconds, FSDP1 (rank 0)") or []
-    lines = ["## FSDP1 notes", "",
+    lines = ["### FSDP1 notes", "",
              (f"Model: {fsdp1.BLOCKS} blocks, hidden {model['hidden']}, each block its own FSDP unit "
               f"(`use_orig_params=True`, FULL_SHARD), AdamW after one step: {model['saved_bytes'] / 1e6:.0f} MB "
               "of parameters and moments.")]
@@ -156,7 +179,7 @@ def _memory(record: Record) -> list[str]:
         return []
     after = m["rss_after_each_call"]
     mb = 1e6
-    lines = ["## Host memory over consecutive async saves", "",
+    lines = ["### Host memory over consecutive async saves", "",
              (f"{m['saves']} bcp async saves of a {m['state_bytes'] / mb:.0f} MB state in a fresh process, each "
               "followed by an in-place change of every tensor (no wait in between); the last checkpoint was "
               "checked against the state at its call."), "",
@@ -179,30 +202,16 @@ def _memory(record: Record) -> list[str]:
 def _planning_scale(figures: dict | None) -> list[str]:
     if not figures:
         return []
-    lines = ["## Planning at scale (`benchmarks/planning_scale.py`)", "",
-             ("The coordinator's work for a Llama-405B-shaped model on TP8 x PP16 x DP70 from shapes only, one "
-              "process (targets: < 10 s coordinator total, < 2 s manifest parse)."), "",
+    lines = [("`benchmarks/planning_scale.py`: the coordinator's work for a Llama-405B-shaped model on TP8 x "
+              "PP16 x DP70 from shapes only, one process (targets: < 10 s coordinator total, < 2 s manifest "
+              "parse)."), "",
              "| figure | value |", "| --- | --- |"]
     lines += [f"| {key} | {value} |" for key, value in figures.items()]
     return lines + [""]
 
 
-def _peer() -> list[str]:
-    return ["## Not measured: ByteCheckpoint 0.0.2", "",
-            ("The PyPI release pins torch <= 2.5.0, grpcio 1.69 and protobuf 3.20.3. On PyPI, torch 2.5 for Linux "
-             "is the CUDA build with its NVIDIA wheels (several GB); no CPU build of it can be installed from the "
-             "registries reachable here, so a separate venv for it was judged impractical."), ""]
-
-
-def _megatron() -> list[str]:
-    return ["## Megatron-Core: bcp vs torch_dist", "",
-            ("Measured by `examples/megatron/benchmark.py` on a real GPTModel (TP1/DP2 and TP2, 2 processes); "
-             "its table and the conditions of that run are in `docs/megatron.md`."), ""]
-
-
 def _reading() -> list[str]:
-    return ["## Reading a missed target", "",
-            ("- Loads: compare `bcp` with `bcp, load with verify=False` (same files): the difference is the "
+    return [("- Loads: compare `bcp` with `bcp, load with verify=False` (same files): the difference is the "
              "crc32c verification of every byte read, which bcp does by default; compare it with `bcp, load "
              "with transactional=False` for the cost of placing only verified bytes (one more copy of the "
              "state: about a memcpy row's time); the per-phase table splits loads into metadata, plan, "

@@ -1,4 +1,4 @@
-"""The issue's targets, checked against one run's medians. Every figure is a ratio to something
+"""bcp's performance targets, checked against one run's medians. Every figure is a ratio to something
 measured in the same run (the disk's floors, a bare copy, DCP), so a slow or busy machine moves
 both sides alike; a target missed is reported as missed with its measured ratio."""
 

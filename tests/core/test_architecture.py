@@ -1,5 +1,7 @@
 """The shape of the code, checked: integrations stand on the public surface only, the core's layers
-import downwards only, and no module imports itself back through others."""
+import downwards only, and no module imports itself back through others. Every import counts: at
+the top of a module, inside a function, under ``if TYPE_CHECKING:`` and ``importlib.import_module``
+with a literal name."""
 
 from __future__ import annotations
 
@@ -35,17 +37,27 @@ def _modules(src: Path) -> dict[str, Path]:
     return found
 
 
-def _imports(path: Path, top_level_only: bool = False) -> list[str]:
-    tree = ast.parse(path.read_text())
-    nodes = tree.body if top_level_only else ast.walk(tree)
+def _imports(path: Path) -> list[str]:
     names = []
-    for node in nodes:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
             names += [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             names += [a.name for a in node.names]
+        elif _is_import_module_call(node):
+            names.append(node.args[0].value)
     return names
+
+
+def _is_import_module_call(node: ast.AST) -> bool:
+    """``importlib.import_module("literal")`` (or ``import_module("literal")``)."""
+    if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant) \
+            or not isinstance(node.args[0].value, str):
+        return False
+    func = node.func
+    return (isinstance(func, ast.Attribute) and func.attr == "import_module") or \
+        (isinstance(func, ast.Name) and func.id == "import_module")
 
 
 def _layer(module: str) -> str:
@@ -83,29 +95,50 @@ def _layering_violations(core: dict[str, Path]) -> list[str]:
     return wrong
 
 
-def test_no_import_cycles_between_core_modules():
-    core = _modules(CORE)
-    graph = {m: {t for n in _imports(p, top_level_only=True) if (t := _resolved(n, core)) and t != m
+def test_no_import_cycles():
+    modules = dict(_modules(CORE))
+    for src in INTEGRATIONS:
+        modules.update(_modules(src))
+    cycles = _import_cycles(modules)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def _import_cycles(modules: dict[str, Path]) -> list[list[str]]:
+    """One cycle per group of modules that import each other, each as ``[a, b, ..., a]``."""
+    graph = {m: {t for n in _imports(p) if (t := _resolved(n, modules)) and t != m
                  and not m.startswith(t + ".")}  # a module's package is imported before it: not a cycle
-             for m, p in core.items()}
-    state: dict[str, int] = {}
-    stack: list[str] = []
+             for m, p in modules.items()}
+    cycles: list[list[str]] = []
+    done: set[str] = set()
+    for start in sorted(graph):
+        if start in done:
+            continue
+        cycle = _cycle_through(start, graph)
+        if cycle:
+            cycles.append(cycle)
+            done.update(cycle)
+        done.add(start)
+    return cycles
 
-    def visit(module: str) -> list[str] | None:
-        state[module] = 1
-        stack.append(module)
-        for target in sorted(graph.get(module, ())):
-            if state.get(target) == 1:
-                return stack[stack.index(target):] + [target]
-            if target not in state and (cycle := visit(target)):
-                return cycle
-        state[module] = 2
-        stack.pop()
-        return None
 
-    for module in sorted(graph):
-        if module not in state and (cycle := visit(module)):
-            raise AssertionError("import cycle: " + " -> ".join(cycle))
+def _cycle_through(start: str, graph: dict[str, set[str]]) -> list[str] | None:
+    """The shortest import path from ``start`` back to itself, if any (breadth first)."""
+    previous: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for module in frontier:
+            for target in sorted(graph.get(module, ())):
+                if target == start:
+                    path = [module]
+                    while path[-1] != start:
+                        path.append(previous[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if target not in previous:
+                    previous[target] = module
+                    following.append(target)
+        frontier = following
+    return None
 
 
 def _resolved(name: str, modules: dict[str, Path]) -> str | None:
@@ -124,3 +157,22 @@ def test_the_layering_check_catches_an_upward_import(tmp_path):
         (tmp_path / "bcp" / module).write_text(text)
     assert _layering_violations(_modules(tmp_path)) == [
         "bcp.engine.bad (bcp.engine) imports bcp.planning.load_plan (bcp.planning)"]
+
+
+def test_the_cycle_check_sees_imports_inside_functions_and_type_checking_blocks(tmp_path):
+    # both halves of each cycle are imports the top level does not show
+    files = {
+        "bcp/tools/report.py": "def draw():\n    from bcp.tools.heatmap import draw_heatmap\n",
+        "bcp/tools/heatmap.py": "from bcp.tools.report import Report\n",
+        "bcp/api/results.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from bcp.api.metrics import Monitor\n",
+        "bcp/api/metrics.py": "from bcp.api.results import PhaseStats\n",
+        "plugin_autoload.py": "import importlib\ndef hook():\n    importlib.import_module('plugin')\n",
+        "plugin/__init__.py": "from plugin_autoload import NAME\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert _import_cycles(_modules(tmp_path)) == [
+        ["bcp.api.metrics", "bcp.api.results", "bcp.api.metrics"],
+        ["bcp.tools.heatmap", "bcp.tools.report", "bcp.tools.heatmap"],
+        ["plugin", "plugin_autoload", "plugin"]]

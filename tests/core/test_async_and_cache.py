@@ -232,6 +232,9 @@ def test_async_failure_on_one_rank_raises_on_every_rank(ranks, tmp_path):
 
 
 def test_forked_child_does_not_wait_for_the_parents_saves(tmp_path):
+    """A forked child (a dataloader worker, say) that exits normally does not wait for its parent's
+    async saves. Guards a past defect: the child inherited the parent's pending saves, whose
+    background threads exist only in the parent."""
     script = textwrap.dedent(f"""
         import os, sys, torch, bcp
         handle = bcp.save({str(tmp_path)!r}, {{"model": {{"w": torch.arange(4_000_000.0)}}}}, async_save=True)

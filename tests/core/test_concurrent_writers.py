@@ -1,7 +1,12 @@
-"""Independent writers and readers of one checkpoint path (issue 19, items 1 and 4): two processes
-saving at once (a job and its accidental restart) never destroy the last good checkpoint: each
-claims its own generation, at most one commit per generation, and retention keeps the newest two
-committed generations, so a reader of the previous one is not broken by a concurrent save."""
+"""Independent writers and readers of one checkpoint path: two processes saving at once (a job and
+its accidental restart) never destroy the last good checkpoint: each claims its own generation, at
+most one commit per generation, and retention keeps the newest two committed generations, so a
+reader of the previous one is not broken by a concurrent save.
+
+Guards two past defects: two writers could pick the same generation, one overwrote the other's
+manifest and retention then deleted the checkpoint saved before the race, leaving a path whose only
+generation failed its commit marker's checksum; and a writer's retention deleted the generation
+another process was still reading ("data file ... is missing")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,10 @@
 """TorchCoordinator over process groups the job creates and destroys: bcp's gloo side groups live
 as long as those groups (threads and open files stay flat over many re-creations), and only a
-group's members take part in building them (each data-parallel group saves on its own)."""
+group's members take part in building them (each data-parallel group saves on its own).
+
+Guards a past defect: bcp kept a side group per parent group, keyed by the parent's ``id()``, and never
+destroyed it, so a loop that re-created its group grew its thread count each cycle and hung in its
+third save."""
 
 from __future__ import annotations
 
@@ -32,6 +36,15 @@ def loaded(path: str, coordinator: bcp.Coordinator, size: int = 6) -> list:
     return [out["model"]["w"].tolist(), out["extra_state"]]
 
 
+def steady() -> dict:
+    """The counts once two looks 0.2 s apart agree (threads told to stop are gone)."""
+    previous, counts = None, resources()
+    while counts != previous:
+        time.sleep(0.2)
+        previous, counts = counts, resources()
+    return counts
+
+
 def settled(expected: dict) -> dict:
     """The counts once they equal ``expected``, or the last ones after 60s: an asynchronous save's
     worker thread may let go of its coordinator just after the save's handle reports it done."""
@@ -42,7 +55,8 @@ def settled(expected: dict) -> dict:
 
 
 def recreated_groups(path: str) -> dict:
-    """The loop of issue 20.4: a group created, saved through (sync and async), destroyed."""
+    """A job that re-creates its process group (elastic restarts, Megatron's re-initialization): a group
+created, saved through (sync and async), destroyed, again and again."""
     bcp.save(path, state(-1.0), async_save=True).wait()  # warm: the background lane, the world's side groups
     before = resources()
     during = []
@@ -51,8 +65,8 @@ def recreated_groups(path: str) -> dict:
         coordinator = bcp.TorchCoordinator(group)
         bcp.save(path, state(float(cycle)), coordinator=coordinator)
         bcp.save(path, state(cycle + 0.5), coordinator=coordinator, async_save=True).wait()
-        dist.destroy_process_group(group)
-        during.append(resources())
+        dist.destroy_process_group(group)  # shuts the group's side groups down: their threads leave
+        during.append(settled(during[0]) if during else steady())
     del coordinator, group  # the last side groups now have neither a live group nor a user
     world = bcp.TorchCoordinator()  # looking up a side group drops those of destroyed groups
     return {"before": before, "during": during, "after": settled(before), "loaded": loaded(path, world)}

@@ -1,6 +1,10 @@
 """The one coverage check (``bcp.layout.coverage``): exact against brute force, and used where it
 matters: the save planner refuses pieces whose overlap hides a gap, and a load refuses a shard table
-whose shards do not cover a tensor exactly (issue 19, item 3)."""
+whose shards do not cover a tensor exactly.
+
+Guards a past defect: load checked only the covered volume, so a damaged shard table with two rows
+over the same half of a tensor (the other half never stored) loaded "successfully" and left half of
+the live tensor with its old values."""
 
 from __future__ import annotations
 

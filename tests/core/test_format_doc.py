@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import numpy as np
 import torch
 
 import bcp
+from doc_blocks import block_covered_by
 from models import MLP
-
-DOC = Path(__file__).resolve().parents[2] / "docs" / "format.md"
 
 
 def test_reading_a_tensor_by_hand_as_documented(tmp_path, monkeypatch):
-    recipe = re.search(r"## Reading a tensor by hand\s+```python\n(.*?)```", DOC.read_text(), re.S).group(1)
+    recipe = block_covered_by("tests/core/test_format_doc.py", "test_reading_a_tensor_by_hand_as_documented")
     model = MLP()
     monkeypatch.chdir(tmp_path)
     for _ in range(3):  # the recipe reads generation 3
         bcp.save("ckpt", {"model": model})
     scope: dict = {}
-    exec(compile(recipe, str(DOC), "exec"), scope)
+    exec(compile(recipe.code, recipe.id, "exec"), scope)
     assert np.array_equal(scope["out"], model.fc1.weight.detach().numpy())
     assert torch.equal(torch.from_numpy(scope["out"]), model.fc1.weight.detach())

@@ -1,5 +1,9 @@
-"""Bad arguments that used to pass silently or fail obscurely (issue 19, item 9): each is now a
-``CheckpointError`` that says what is wrong."""
+"""Bad arguments get a ``CheckpointError`` that says what is wrong.
+
+Guards past defects where they passed silently or failed obscurely: loading into a model on the meta
+device reported success and loaded nothing, ``bcp.save("", state)`` wrote into the current
+directory, and an optimizer holding a parameter the model lacks failed with a ``KeyError`` naming an
+object id instead of the parameter."""
 
 from __future__ import annotations
 

@@ -1,7 +1,10 @@
-"""A disk that fills up during a save (issue 19, item 5): the save fails with a ``CheckpointError``,
+"""A disk that fills up during a save: the save fails with a ``CheckpointError``,
 the previous checkpoint still loads, and what the failed save wrote is removed, so the next
 (smaller) save succeeds. The full disk is a storage with a capacity (every file under its root
-counts); a test cannot fill this machine's disk for real."""
+counts); a test cannot fill this machine's disk for real.
+
+Guards a past defect: the failed save's partial generation stayed behind, so the next (smaller) save
+failed too until someone cleaned up by hand."""
 
 from __future__ import annotations
 

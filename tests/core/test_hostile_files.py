@@ -1,8 +1,12 @@
-"""Files of a checkpoint replaced by things that are not regular files (issue 19, item 7): a FIFO
+"""Files of a checkpoint replaced by things that are not regular files: a FIFO
 (opening or reading one blocks forever), a directory, a device that never ends (/dev/zero), a
 symbolic link leading outside the checkpoint. Loading and verifying must fail with a
 ``CheckpointError`` naming the file, never hang or read without bound. Each case runs in a capped
-child process (``CappedChild``), so a hang is cut off and an unbounded read fails there."""
+child process (``CappedChild``), so a hang is cut off and an unbounded read fails there.
+
+Guards past defects: a FIFO in place of ``manifest.json``, ``COMMITTED`` or a data file hung load and
+verify forever, a directory raised ``IsADirectoryError``, ``/dev/zero`` grew the process by gigabytes
+until ``MemoryError``, and a data file linked outside the checkpoint was followed."""
 
 from __future__ import annotations
 

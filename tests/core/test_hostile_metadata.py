@@ -1,8 +1,12 @@
-"""Forged metadata (issue 19, item 8): every field of the manifest, the shard table, the commit
+"""Forged metadata: every field of the manifest, the shard table, the commit
 marker and value records is checked for type and range when it is parsed, and claimed sizes are
 compared with what exists before anything is allocated. Each forgery is signed (the marker matches
 the forged manifest), so it reaches the parser; each must fail with a ``CheckpointError`` naming
-the checkpoint (or, in ``verify``, be reported as a problem), never another exception."""
+the checkpoint (or, in ``verify``, be reported as a problem), never another exception.
+
+Guards past defects: shapes beyond int64 raised ``OverflowError``, deep JSON ``RecursionError``,
+fields of the wrong type ``ValueError``/``TypeError``, and claimed sizes (a 4 TiB value, a table of
+``2**20`` dimensions, a 1 GiB value record) were allocated before anything noticed they were false."""
 
 from __future__ import annotations
 
@@ -53,6 +57,17 @@ def test_fields_of_the_wrong_type_are_refused(ckpt, field, value):
         bcp.load(ckpt, empty_state())
     with pytest.raises(bcp.CorruptCheckpointError, match=field):
         verify_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("value", [10**400, -10**400, 10**12])
+def test_a_creation_time_beyond_any_date_is_refused(ckpt, value):
+    """A huge integer ``created_unix`` made load and ``bcp verify`` crash with ``OverflowError``."""
+    forge(ckpt, lambda doc: doc.__setitem__("created_unix", value))
+    with pytest.raises(bcp.CorruptCheckpointError, match="'created_unix' is .* not a time in seconds"):
+        bcp.load(ckpt, empty_state())
+    with pytest.raises(bcp.CorruptCheckpointError, match="created_unix"):
+        verify_checkpoint(ckpt)
+    assert main(["verify", str(ckpt)]) == 1
 
 
 def test_deeply_nested_json_is_refused(ckpt):

@@ -1,4 +1,4 @@
-"""2-D hybrids (issue 17): FSDP2 x TP on a 2 x 2 mesh (FSDP2 then shards DTensors that TP already
+"""2-D hybrids: FSDP2 x TP on a 2 x 2 mesh (FSDP2 then shards DTensors that TP already
 sharded, the ``_StridedShard`` placements torchtitan builds) and HSDP (replicate x shard), with AdamW,
 saved and loaded bitwise into other layouts: FSDP2 on 3 ranks, TP on 2, a plain module, FSDP2 on 2."""
 

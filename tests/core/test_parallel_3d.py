@@ -1,4 +1,4 @@
-"""TP x PP x DP in plain PyTorch (issue 17): a model of MLP blocks cut into pipeline stages by hand,
+"""TP x PP x DP in plain PyTorch: a model of MLP blocks cut into pipeline stages by hand,
 DTensor tensor parallelism (colwise, then rowwise) inside each stage, FSDP2 (or DDP) across the data-parallel
 replicas of a stage, AdamW with two param groups and an LR scheduler. Saved in one layout and loaded
 into another (or into one process), every parameter, every moment and step and every parameter's

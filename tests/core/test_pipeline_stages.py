@@ -1,4 +1,4 @@
-"""Pipeline stages (issue 17): a model cut into stages by hand, each rank holding some layers under
+"""Pipeline stages: a model cut into stages by hand, each rank holding some layers under
 their global names, with AdamW (two param groups) and an LR scheduler. A strict load into the same
 stages works (each rank expects only its own stage's names), the optimizer's groups are restored by
 parameter name in any layout, and a resumed run continues with the same losses."""

@@ -316,8 +316,9 @@ def test_large_shard_is_read_in_parts_and_each_part_verified(tmp_path, monkeypat
 
 
 def test_the_staging_pool_hands_out_a_free_buffer_that_is_not_the_first():
-    # It removed the chosen buffer with list.remove, which compares tensors with ==: with buffers of
-    # different sizes free, an async save failed ("The size of tensor a (3584) must match ...").
+    """Guards a past defect: the pool removed the chosen buffer with ``list.remove``, which compares
+    tensors with ``==``, so with buffers of different sizes free an async save failed ("The size of
+    tensor a (3584) must match ...")."""
     from bcp.engine.staging import HostBufferPool
 
     pool = HostBufferPool(max_sets=2)

@@ -223,7 +223,30 @@ def count_collectives(strategy: str, path: str) -> dict[str, Any]:
             "global_step": trainer.global_step}
 
 
-CASES = {"fit": fit, "expect_error": expect_error, "count_collectives": count_collectives}
+def pickle_model(strategy: str, dirpath: str, plugin: bool = False, async_save: bool = False) -> dict[str, Any]:
+    """After ``fit`` with bcp checkpointing, ``torch.save`` the LightningModule with the trainer's
+    checkpoint plugin and ``torch.load`` them back; returns the live and the reloaded weights, the
+    reloaded objects' classes and whether the plugin kept its options."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD_SIZE, strategy=STRATEGIES[strategy](),
+        plugins=[BCPCheckpointIO(async_save=async_save)] if plugin or async_save else None, max_epochs=1,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True)])
+    model = LitMLP(LAYOUTS[strategy])
+    trainer.fit(model, datamodule=Data())
+    assert trainer.strategy.checkpoint_io is not None
+    path = os.path.join(dirpath, f"model-rank{trainer.global_rank}.pt")
+    plugin = trainer.strategy.checkpoint_io
+    torch.save({"model": model, "plugin": plugin}, path)
+    reloaded = torch.load(path, weights_only=False)
+    return {"live": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "reloaded": {k: v.detach().clone() for k, v in reloaded["model"].state_dict().items()},
+            "classes": [type(reloaded["model"]).__name__, type(reloaded["plugin"]).__name__],
+            "same_options": reloaded["plugin"].options == plugin.options}
+
+
+CASES = {"fit": fit, "expect_error": expect_error, "count_collectives": count_collectives,
+         "pickle_model": pickle_model}
 
 
 def main() -> None:

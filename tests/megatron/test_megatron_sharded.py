@@ -127,7 +127,8 @@ def test_reshards_tensors_and_reads_objects_from_their_owner(ranks, saved):
 
 
 def test_the_strategy_named_like_torch_dists_loads_on_this_megatron_core(ranks, saved):
-    # It passed Megatron-Core 0.17's cache_metadata option to 0.16's strategy, which takes none.
+    """Guards a past defect: the strategy could not be built on Megatron-Core 0.16, because it passed
+    0.17's ``cache_metadata`` option to 0.16's strategy, which takes none."""
     for rank, loaded in enumerate(ranks(2).run(load_case_torch_dist_named, saved)):
         expected = expected_load(rank)
         assert torch.equal(loaded["regular"], expected["regular"])
@@ -306,6 +307,8 @@ def save_logging_at_info(path: str) -> list[tuple[str, int]]:
 
 
 def test_a_save_logs_its_summary_at_debug_as_megatron_core_does(ranks, tmp_path):
+    """Guards a past defect: bcp-megatron's saves logged bcp's summary line at INFO, so under Megatron-LM
+    (which sets the root logger to INFO) rank 0 failed Megatron-Core's "nothing logged" checks alone."""
     assert ranks(2).run(save_logging_at_info, str(tmp_path)) == [[], []]
 
 

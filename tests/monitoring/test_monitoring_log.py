@@ -46,7 +46,7 @@ def test_retention_listing_and_verify_leave_the_log_alone(tmp_path, capsys):
     bcp.load(tmp_path, fresh())
     assert sorted(os.listdir(tmp_path)) == [METRICS_DIR, "gen-00000003"]  # retention removed gen 1 and 2 only
     assert [(r["op"], r["generation"]) for r in read_records(tmp_path)] == [
-        ("save", 1), ("save", 2), ("save", 3), ("load", 3)]  # in the order they ran
+        ("save", 3), ("load", 3)]  # in the order they ran; those of removed generations go with them
     assert main(["verify", str(tmp_path)]) == 0 and "OK" in capsys.readouterr().out
     assert bcp.load(tmp_path, fresh()).generation == 3
 
@@ -131,3 +131,15 @@ def test_concurrent_loaders_never_lose_or_mix_records(ranks, tmp_path):
         named = [json.loads(line) for line in lines]  # every line parses: no interleaving
     assert len(named) == LOADS and all(r["op"] == "load" and r["ok"] for r in named)
     assert sorted(os.listdir(path)) == [METRICS_DIR, "gen-00000001"]
+
+
+def test_the_log_keeps_the_history_of_the_generations_kept(tmp_path):
+    """The log used to grow by one object per operation forever; it now follows the checkpoint's
+    retention: records of operations older than the oldest generation kept are removed."""
+    path = tmp_path / "ckpt"
+    for _ in range(6):
+        bcp.save(path, STATE, keep_generations=2)
+        bcp.load(path, fresh())
+    records = list(read_records(path))
+    assert [(r["op"], r["generation"]) for r in records] == [("save", 5), ("load", 5), ("save", 6), ("load", 6)]
+    assert len(os.listdir(path / METRICS_DIR)) == 4

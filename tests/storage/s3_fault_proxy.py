@@ -45,6 +45,8 @@ class FaultProxy:
         self.faults: Counter[str] = Counter()
         self.get_body_bytes = 0
         self.received_body_bytes = 0
+        self.in_flight = 0
+        self.max_in_flight = 0
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self._server.handle_error = lambda request, address: None  # a reset we made is no error
@@ -62,6 +64,7 @@ class FaultProxy:
             self.faults.clear()
             self.get_body_bytes = 0
             self.received_body_bytes = 0
+            self.max_in_flight = 0
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         proxy = self
@@ -74,6 +77,24 @@ class FaultProxy:
                 pass
 
             def _any(self) -> None:
+                # A request is in flight from its headers until just before its answer goes out: inside
+                # the time the client waits for it, so the proxy never counts more than the client sent.
+                self.answered = False
+                with proxy.lock:
+                    proxy.in_flight += 1
+                    proxy.max_in_flight = max(proxy.max_in_flight, proxy.in_flight)
+                try:
+                    self._serve()
+                finally:
+                    self._answering()
+
+            def _answering(self) -> None:
+                if not self.answered:
+                    self.answered = True
+                    with proxy.lock:
+                        proxy.in_flight -= 1
+
+            def _serve(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 fault = proxy.fault(self.command, self.path)
                 with proxy.lock:
@@ -117,6 +138,7 @@ class FaultProxy:
                 return response.status, headers, payload
 
             def _reply(self, status: int, headers: list[tuple[str, str]], payload: bytes) -> None:
+                self._answering()
                 self.send_response_only(status)
                 for name, value in headers:
                     self.send_header(name, value)
@@ -127,6 +149,7 @@ class FaultProxy:
                     self.wfile.write(payload)
 
             def _reset(self) -> None:
+                self._answering()
                 # SO_LINGER with a zero timeout makes close() send RST: a real "connection reset by peer"
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 self.close_connection = True

@@ -12,8 +12,9 @@ import torch
 from bcp.storage import RetryPolicy, S3Storage
 from models import assert_bitwise, build, full_state, rank, train
 from s3_fault_proxy import FaultProxy
+from s3_sharded import COLS, load_big_sharded, save_big_sharded
 
-ROWS, COLS = 4096, 2048  # 32 MiB of float32: large against the 1 MiB checksum chunks a read widens to
+ROWS = 4096  # 32 MiB of float32: large against the 1 MiB checksum chunks a read widens to
 
 
 def _use(env: dict[str, str]) -> None:
@@ -35,34 +36,6 @@ def load_fresh(kind: str, url: str, env: dict[str, str], read_once: bool = False
     bcp.load(url, {"model": model, "optimizer": optimizer}, read_once=read_once)
     state = full_state(model, optimizer)
     return state if rank() == 0 else None
-
-
-def _big_matrix() -> torch.Tensor:
-    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(7))
-
-
-def _sharded(full: torch.Tensor) -> torch.nn.Module:
-    """A module whose one parameter is ``full`` sharded by rows across the ranks (a DTensor)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    module = torch.nn.Module()
-    module.w = torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]), requires_grad=False)
-    return module
-
-
-def save_big_sharded(url: str, env: dict[str, str]) -> None:
-    _use(env)
-    bcp.save(url, {"model": _sharded(_big_matrix())})
-
-
-def load_big_sharded(url: str, env: dict[str, str]) -> bool:
-    _use(env)
-    target = _sharded(torch.zeros(ROWS, COLS))
-    bcp.load(url, {"model": target})
-    expected = _sharded(_big_matrix()).w.to_local()
-    return torch.equal(target.w.to_local().view(torch.int32), expected.view(torch.int32))
 
 
 def test_a_two_rank_save_to_s3_loads_resharded_on_one_and_three_ranks_bitwise(ranks, s3_url, s3_env):
@@ -151,10 +124,10 @@ def test_a_permanent_403_fails_at_once_with_a_checkpoint_error_naming_the_url(s3
 
 def test_a_resharded_load_downloads_little_more_than_the_bytes_it_needs(ranks, s3_server, s3_url):
     url = f"{s3_url}/big"
-    ranks(2).run(save_big_sharded, url, s3_server.env())
+    ranks(2).run(save_big_sharded, url, s3_server.env(), ROWS)
     proxy = FaultProxy(s3_server.endpoint)
     try:
-        assert all(ranks(3).run(load_big_sharded, url, s3_server.env(proxy.endpoint)))
+        assert all(ranks(3).run(load_big_sharded, url, s3_server.env(proxy.endpoint), ROWS))
     finally:
         proxy.close()
     needed = ROWS * COLS * 4  # the three ranks' shards together are the whole matrix, once

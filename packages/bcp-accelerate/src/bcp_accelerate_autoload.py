@@ -19,8 +19,6 @@ from types import ModuleType
 from collections.abc import Sequence
 from typing import Any
 
-#: The variable that chooses the checkpoint engine (``bcp`` or ``accelerate``).
-ENGINE_VARIABLE = "ACCELERATE_CHECKPOINT_ENGINE"
 _TRIGGER = "accelerate"
 
 

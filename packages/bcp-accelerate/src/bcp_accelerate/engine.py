@@ -26,7 +26,7 @@ from bcp import AdapterError, CheckpointNotCommittedError, MismatchError
 from bcp.integration import refusing_pickled_code
 from bcp_accelerate import components, dataloaders, folders, framework_files, hooks, places
 from bcp_accelerate.consensus import on_all_ranks
-from bcp_accelerate_autoload import ENGINE_VARIABLE
+from bcp_accelerate.engine_variable import ENGINE_VARIABLE
 
 #: The bcp component recording the accelerator: its step counter, what was saved, and the
 #: sub-folder holding accelerate's own files.

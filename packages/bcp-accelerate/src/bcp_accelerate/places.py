@@ -14,11 +14,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-from bcp.integration import storage_for
-
-
-def is_url(folder: str) -> bool:
-    return "://" in folder
+from bcp.integration import is_url, storage_for
 
 
 def join(folder: str, name: str) -> str:

@@ -16,7 +16,7 @@ import accelerate
 
 from bcp import CheckpointError
 from bcp_accelerate import engine
-from bcp_accelerate_autoload import ENGINE_VARIABLE
+from bcp_accelerate.engine_variable import ENGINE_VARIABLE
 
 #: ``ENGINE_VARIABLE=bcp`` routes every accelerator through bcp; ``accelerate`` forces accelerate's own
 #: engine even where the code opted in (a switch for operators); unset leaves the choice to the code.

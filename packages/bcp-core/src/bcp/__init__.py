@@ -9,6 +9,7 @@ from bcp.adapters.dataloader import DataloaderState, PartKey, ShardedDataloader,
 from bcp.adapters.distributed_sampler import ResumableDistributedSampler
 from bcp.adapters.token_stream import TokenStreamLoader
 from bcp.api import LoadOptions, LoadResult, PhaseStats, SaveHandle, SaveOptions, load, save, wait_pending_saves
+from bcp.api.runtime import shutdown
 from bcp.api.state_walk import PairedOptimizer
 from bcp.coord import Coordinator, SingleProcessCoordinator, TorchCoordinator
 from bcp.errors import (
@@ -20,6 +21,7 @@ from bcp.errors import (
     DistributedError,
     FormatVersionError,
     MismatchError,
+    SaveAbandonedError,
     StorageError,
     UnsafeCheckpointError,
     UnsupportedValueError,
@@ -30,7 +32,7 @@ from bcp.tools.edit import remove_entries
 from bcp.version import __version__
 
 __all__ = [
-    "save", "load", "wait_pending_saves", "remove_entries",
+    "save", "load", "wait_pending_saves", "shutdown", "remove_entries",
     "SaveOptions", "LoadOptions", "SaveHandle", "LoadResult", "PhaseStats", "PairedOptimizer",
     "FrameworkAdapter", "register_adapter",
     "Coordinator", "SingleProcessCoordinator", "TorchCoordinator",
@@ -38,7 +40,7 @@ __all__ = [
     "Box", "TensorShard", "FlatShard",
     "CheckpointError", "CheckpointNotFoundError", "CheckpointNotCommittedError", "CorruptCheckpointError",
     "FormatVersionError", "MismatchError", "StorageError", "UnsupportedValueError", "UnsafeCheckpointError",
-    "AdapterError", "DistributedError",
+    "AdapterError", "DistributedError", "SaveAbandonedError",
     "__version__",
     "DataloaderState", "ShardedDataloader", "PartKey", "assign_parts", "TokenStreamLoader",
     "ResumableDistributedSampler",

@@ -13,6 +13,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 from bcp.errors import CheckpointError
+from bcp.storage import is_url
 from bcp.tools import (
     CastRules,
     NameRules,
@@ -28,6 +29,7 @@ from bcp.tools import (
     summarize,
     verify_checkpoint,
 )
+from bcp.tools.op_summary import STRAGGLER_RATIO, STRAGGLER_SECONDS
 from bcp.tools.units import human_bytes, parse_size
 
 _EPILOG = """examples:
@@ -118,7 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     monitor.add_argument("--index", type=int, default=-1, help="which operation of the log (default: -1, the last)")
     monitor.add_argument("--op", choices=["save", "load"], help="count only saves or only loads")
     monitor.add_argument("--phase", help="phase to colour the heat map and rank the slowest ranks by, or 'total' "
-                         "(default: the straggler's phase)")
+                         "(default: the phase with the widest spread between ranks)")
+    monitor.add_argument("--straggler-seconds", type=float, default=STRAGGLER_SECONDS, metavar="S",
+                         help="flag a straggler only this many seconds above its phase's median "
+                         f"(default: {STRAGGLER_SECONDS:g})")
+    monitor.add_argument("--straggler-ratio", type=float, default=STRAGGLER_RATIO, metavar="X",
+                         help=f"... and this many times the median (default: {STRAGGLER_RATIO:g})")
     monitor.add_argument("--heatmap", metavar="PNG", help="draw the heat map over the topology (matplotlib)")
     monitor.add_argument("--gantt", metavar="PNG", help="draw the per-rank timeline as a Gantt chart (matplotlib)")
     monitor.add_argument("--ranks", type=_ranks, metavar="R,R,...", help="ranks in the Gantt chart (default: 64)")
@@ -225,7 +232,8 @@ def _edit(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     source = os.path.join(args.path, args.role) if args.role else args.path
     summary = report(source, index=args.index, op=args.op, phase=args.phase, heatmap=args.heatmap, trace=args.trace,
-                     gantt=args.gantt, ranks=args.ranks)
+                     gantt=args.gantt, ranks=args.ranks, straggler_seconds=args.straggler_seconds,
+                     straggler_ratio=args.straggler_ratio)
     print(json.dumps(summary.to_dict(), indent=2) if args.json else summary.format())
     for what, written in (("heat map", args.heatmap), ("Gantt chart", args.gantt), ("trace", args.trace)):
         if written and not args.json:
@@ -234,7 +242,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _detect(src: str) -> str:
-    if "://" in src:  # DCP folders and safetensors files are read from local paths only
+    if is_url(src):  # DCP folders and safetensors files are read from local paths only
         return "bcp"
     if os.path.isfile(os.path.join(src, ".metadata")):
         return "dcp"

@@ -68,3 +68,8 @@ class AdapterError(CheckpointError):
 
 class DistributedError(CheckpointError):
     """One or more ranks failed; the message carries each failing rank's error."""
+
+
+class SaveAbandonedError(CheckpointError):
+    """An asynchronous save was abandoned before its commit (a second Ctrl-C while the process waited
+    for it at exit, or ``bcp.shutdown(abandon=True)``); its uncommitted files are removed."""

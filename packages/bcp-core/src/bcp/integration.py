@@ -6,9 +6,10 @@ test walks their imports).
 - coordination: the coordinator and the error-agreeing exchanges built on it;
 - representation: boxes, pieces, the one exact-coverage check and the dtype names of the format;
 - the reader door (a committed checkpoint opened for reading: the manifest, wanted pieces, values),
-  the options of save and load, and the process's runtime (plan cache, buffers, async lane);
+  the options of save and load (``DEFAULT_IO_THREADS``, their default parallelism), and the
+  process's runtime (plan cache, buffers, async lane);
 - where checkpoints live (``checkpoint_location(path, role)``: generations and their commit
-  state) and the storage backend for a path or URL;
+  state), the storage backend for a path or URL and ``is_url``, the one test of which a path is;
 - adapters: ``initialize_state`` gives a never-stepped optimizer its state before a load; the
   core's optimizer value names (``OPTIMIZER_STATE_PREFIX``, ``OPTIMIZER_PARAM_GROUPS``) and
   ``nested_optimizer_state``/``flat_optimizer_values`` between them and torch's FQN-keyed dicts;
@@ -26,7 +27,7 @@ from bcp.adapters.optimizer import STATE as OPTIMIZER_STATE_PREFIX
 from bcp.adapters.optimizer import flat_optimizer_values, initialize_state, nested_optimizer_state
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.location import resolve as checkpoint_location
-from bcp.api.options import LoadOptions, SaveOptions
+from bcp.api.options import DEFAULT_IO_THREADS, LoadOptions, SaveOptions
 from bcp.api.runtime import Runtime, reset_runtime, runtime
 from bcp.coord import Coordinator, as_coordinator, default_coordinator
 from bcp.coord.consensus import Outcome, all_agree, broadcast_from_root, gather_then_reply
@@ -37,7 +38,7 @@ from bcp.layout.dtypes import dtype_from_name, dtype_name
 from bcp.layout.manifest import Manifest, ObjectEntry, TensorEntry
 from bcp.layout.piece import Piece
 from bcp.planning.pieces import pieces_of
-from bcp.storage import Storage, storage_for
+from bcp.storage import Storage, is_url, storage_for
 
 __all__ = [
     # coordination
@@ -47,9 +48,10 @@ __all__ = [
     "Box", "flat_range_to_boxes", "Piece", "pieces_of", "CoverProblem", "first_cover_problem",
     "dtype_from_name", "dtype_name", "Manifest", "ObjectEntry", "TensorEntry",
     # the doors, their options, the process's runtime
-    "Checkpoint", "open_checkpoint", "SaveOptions", "LoadOptions", "Runtime", "runtime", "reset_runtime",
+    "Checkpoint", "open_checkpoint", "SaveOptions", "LoadOptions", "DEFAULT_IO_THREADS", "Runtime", "runtime",
+    "reset_runtime",
     # where checkpoints live: generations and their commit state; storage backends
-    "checkpoint_location", "Storage", "storage_for",
+    "checkpoint_location", "Storage", "storage_for", "is_url",
     # adapters
     "initialize_state", "adapter_for", "DATALOADER_COMPONENT", "OPTIMIZER_STATE_PREFIX", "OPTIMIZER_PARAM_GROUPS",
     "nested_optimizer_state", "flat_optimizer_values",

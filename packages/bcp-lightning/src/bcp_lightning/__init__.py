@@ -4,7 +4,8 @@
 ``Trainer(strategy=BCPDDPStrategy())``, ``BCPFSDPStrategy()`` or ``BCPModelParallelStrategy()``
 save and load on every rank with the live, possibly sharded, model and optimizers. These classes
 are for the ``lightning`` package; ``bcp_lightning.pytorch_lightning`` has the same for the
-standalone ``pytorch_lightning`` package.
+standalone ``pytorch_lightning`` package. Without a Trainer, ``load`` and ``load_from_checkpoint``
+read a checkpoint into a module (``LightningModule.load_from_checkpoint`` reads torch files only).
 """
 
 import lightning.fabric.plugins as _fabric_plugins
@@ -12,8 +13,10 @@ import lightning.pytorch.strategies as _strategies
 
 from bcp_lightning.binding import bind as _bind
 from bcp_lightning.options import Options
+from bcp_lightning.outside import load, load_from_checkpoint
 
 BCPCheckpointIO, BCPDDPStrategy, BCPFSDPStrategy, BCPModelParallelStrategy = _bind(
     _fabric_plugins.CheckpointIO, _strategies, __name__)
 
-__all__ = ["BCPCheckpointIO", "BCPDDPStrategy", "BCPFSDPStrategy", "BCPModelParallelStrategy", "Options"]
+__all__ = ["BCPCheckpointIO", "BCPDDPStrategy", "BCPFSDPStrategy", "BCPModelParallelStrategy", "Options", "load",
+           "load_from_checkpoint"]

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import bcp
+from bcp.integration import DEFAULT_IO_THREADS
 
-DEFAULT_IO_THREADS = bcp.SaveOptions().io_threads
+__all__ = ["DEFAULT_IO_THREADS", "DEFAULT_KEEP_GENERATIONS", "Options", "STORAGE_OPTION_TYPES", "for_save"]
+
 DEFAULT_KEEP_GENERATIONS = bcp.SaveOptions().keep_generations
 
 

@@ -14,7 +14,7 @@ import os
 import shutil
 
 import bcp
-from bcp.integration import storage_for
+from bcp.integration import is_url, storage_for
 
 #: A directory holding this file is a checkpoint in Lightning's own sharded format.
 LIGHTNING_SHARDED_MARKER = "meta.pt"
@@ -24,7 +24,7 @@ def local_path(path: str) -> str | None:
     """The file-system path of a local checkpoint path, None for other storage (``s3://...``)."""
     if path.startswith("file://"):
         return path[len("file://"):]
-    return None if "://" in path else path
+    return None if is_url(path) else path
 
 
 def prepare_for_save(path: str) -> None:

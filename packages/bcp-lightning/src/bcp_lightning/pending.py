@@ -44,6 +44,14 @@ class PendingSaves:
         self._lock = threading.Lock()
         self._waits_at_exit = False
 
+    def __getstate__(self) -> dict:
+        """Pending saves belong to the process that started them: a copy (a pickled model whose
+        trainer holds the plugin, a spawned process) starts with none, and with its own lock."""
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
     def start(self, path: str) -> PendingSave:
         """Record a save to ``path`` before it touches storage."""
         save = PendingSave()

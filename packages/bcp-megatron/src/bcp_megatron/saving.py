@@ -8,13 +8,12 @@ import logging
 import os
 
 import bcp
-from bcp.integration import as_coordinator
+from bcp.integration import DEFAULT_IO_THREADS, as_coordinator
 
 from bcp_megatron.adapter import NAME as ADAPTER_NAME
 from bcp_megatron.adapter import MegatronValues
 from bcp_megatron.shards import MODEL, OPTIMIZER, save_values
 
-DEFAULT_IO_THREADS = bcp.SaveOptions().io_threads
 COMPONENTS = (MODEL, OPTIMIZER)
 
 

@@ -21,8 +21,10 @@ from bcp.api.names import NameMatch, listing, match_names, unexpected_across_ran
 from bcp.api.options import LoadOptions
 from bcp.api.per_rank import warn_world_change, world_change
 from bcp.api.results import LoadResult, PhaseStats
+from bcp.api.runtime import runtime
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
+from bcp.engine.load_staging import Staging
 from bcp.errors import CheckpointError, MismatchError
 from bcp.layout.piece import Piece
 from bcp.layout.read_op import ReadOp, ReadRequest, ReadRole
@@ -83,6 +85,8 @@ def _load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: L
     _agree_on_reading(coord, planned, read, checkpoint, result, options.strict)
     with stats.phase("apply"):
         applied = Outcome.of(lambda: _apply(planned.value, read.value))
+    if planned.error is None:  # the staging buffers serve the next load, whatever happened to this one
+        planned.value.staging.release()
     # every rank's metrics record travels on the final agreement: monitoring adds no exchange
     every_rank = all_agree(coord, Outcome(monitor.rank_wire(), applied.error),
                            f"restoring the state loaded from {checkpoint.path}")
@@ -104,6 +108,7 @@ class _Plan:
     values: list[str] = field(default_factory=list)
     #: (live piece, staging tensor) pairs of a transactional or cast load: the reads fill the staging tensors.
     staged: list[tuple[Piece, torch.Tensor]] = field(default_factory=list)
+    staging: Staging = field(default_factory=lambda: Staging(runtime().load_staging))
 
 
 def _plan(state: dict[str, Any], checkpoint: Checkpoint, result: LoadResult, options: LoadOptions) -> _Plan:
@@ -123,7 +128,7 @@ def _plan(state: dict[str, Any], checkpoint: Checkpoint, result: LoadResult, opt
         else:
             raise MismatchError("saved as a tensor but the live value is not one, or the reverse",
                                 path=result.path, key=name)
-    pieces, plan.staged = staged(manifest, pieces, every=options.transactional)
+    pieces, plan.staged = staged(manifest, pieces, every=options.transactional, allocate=plan.staging.allocate)
     plan.ops = checkpoint.plan(pieces)
     return plan
 
@@ -187,6 +192,5 @@ def _agree_on_reading(coord: Coordinator, planned: Outcome, read: Outcome, check
 def _apply(plan: _Plan, loaded: dict[str, Any]) -> None:
     """Every rank has read and verified everything: place staged bytes into the live tensors, then
     give the values back to the live objects."""
-    for piece, staging in plan.staged:
-        piece.tensor.copy_(staging)
+    plan.staging.place([(piece.tensor, staging) for piece, staging in plan.staged])
     plan.state.apply(loaded)

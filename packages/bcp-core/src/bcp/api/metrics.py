@@ -14,13 +14,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from bcp.api import log_output
 from bcp.api.metrics_log import append_record
-from bcp.api.results import PhaseStats
+from bcp.api.phase_stats import PhaseStats
 from bcp.engine.location import Location
 from bcp.storage.retry import RetryStats
 from bcp.version import __version__
 
 logger = logging.getLogger("bcp")
+log_output.install(logger)
 
 
 @dataclass(slots=True)
@@ -98,6 +100,13 @@ class OpRecord:
     def bytes(self) -> int:
         return sum(r.bytes for r in self.ranks)
 
+    @property
+    def title(self) -> str:
+        """``bcp save /ckpt generation 42``; without the generation where none was reached (a load
+        that failed before reading one)."""
+        generation = "" if self.generation is None else f" generation {self.generation}"
+        return f"bcp {self.op} {self.path}{generation}"
+
     def to_json(self) -> dict[str, Any]:
         return {"op": self.op, "path": self.path, "generation": self.generation, "world_size": self.world_size,
                 "start": self.start, "seconds": self.seconds, "blocking_seconds": self.blocking_seconds,
@@ -124,6 +133,7 @@ class Monitor:
         self.location: Location | None = None
         self.generation: int | None = None
         self._retries_before: dict[str, int] = {}
+        self._asked: Any = None  # the path as the caller gave it, for a failure before it was resolved
         #: The finished record (rank 0 only).
         self.record: OpRecord | None = None
 
@@ -131,6 +141,7 @@ class Monitor:
         """Before any I/O on ``path``: a storage object given by the caller may have counted retries
         of earlier operations (one made from a URL here starts from zero)."""
         self._retries_before = _retry_counts(path)
+        self._asked = path
 
     def _retries(self) -> dict[str, int]:
         now = _retry_counts(self.location.storage) if self.location is not None else {}
@@ -168,19 +179,35 @@ class Monitor:
     def _close(self, ranks: list[RankRecord], failed_phase: str | None = None, error: str | None = None) -> None:
         seconds = time.time() - self.start
         blocking = self.blocking_seconds if self.blocking_seconds is not None else seconds
-        path = self.location.display if self.location is not None else ""
+        path = self.location.display if self.location is not None else _shown(self._asked)
         self.record = record = OpRecord(self.op, path, self.generation, self.world_size, self.start, seconds,
                                         blocking, error is None, failed_phase, error, ranks)
         if error is None:
-            rate = record.bytes / seconds / 1e9 if seconds > 0 else 0.0
-            logger.log(self.summary_level,
-                       "bcp %s %s generation %s: %d bytes in %.3f s (%.2f GB/s), blocking %.3f s, %d rank(s)",
-                       self.op, path, self.generation, record.bytes, seconds, rate, blocking, self.world_size)
+            logger.log(self.summary_level, "%s: %d bytes in %.3f s (%s), blocking %.3f s, %d rank(s)",
+                       record.title, record.bytes, seconds, transfer_rate(record.bytes, seconds), blocking,
+                       self.world_size)
         else:
-            logger.warning("bcp %s %s generation %s failed in phase %s: %s", self.op, path, self.generation,
-                           failed_phase, error)
+            logger.warning("%s failed in phase %s: %s", record.title, failed_phase, error)
         if self.metrics_log and self.location is not None:
             append_record(self.location, self.metrics_log, record.to_json())
+
+
+def transfer_rate(nbytes: int, seconds: float) -> str:
+    """Bytes per second in the decimal unit that keeps three significant digits (``5.72 GB/s``,
+    ``410 kB/s``): a small transfer does not read ``0.00 GB/s``."""
+    rate = nbytes / seconds if seconds > 0 else 0.0
+    for unit in ("B/s", "kB/s", "MB/s", "GB/s", "TB/s"):
+        if rate < 999.5 or unit == "TB/s":
+            return f"{rate:.3g} {unit}"
+        rate /= 1000
+    raise AssertionError("unreachable")
+
+
+def _shown(path: Any) -> str:
+    """A path or URL as given; a storage object by its root."""
+    if isinstance(path, (str, os.PathLike)):
+        return os.fspath(path)
+    return str(getattr(path, "root", "") or "")
 
 
 def _retry_counts(storage: Any) -> dict[str, int]:

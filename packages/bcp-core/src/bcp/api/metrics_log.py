@@ -6,6 +6,10 @@ own per operation needs no read-modify-write, so concurrent savers and loaders n
 interleave each other's records. Each object is created whole (create-if-absent), so a reader sees
 complete records only. A local file the user names instead gets one ``O_APPEND`` write per line.
 
+Beside the checkpoints the log follows the checkpoint's retention: each commit, after removing the
+generations it no longer keeps, removes the records of operations on them (``prune_records``), so the
+log holds about ``keep_generations`` save intervals of history, not every operation ever.
+
 Writing the log never fails an operation. A load that cannot write beside the checkpoint it read (a
 read-only folder, a bucket it may only read) skips the log with a DEBUG message; any other failure to
 write it is a warning."""
@@ -21,7 +25,7 @@ import uuid
 from typing import Any, Iterator, Mapping
 
 from bcp.api.location import resolve
-from bcp.engine.location import METRICS_DIR, Location
+from bcp.engine.location import CLAIM, METRICS_DIR, Location
 from bcp.errors import CheckpointError
 from bcp.storage import Storage
 
@@ -50,9 +54,33 @@ def append_record(location: Location, target: "bool | str | os.PathLike", record
 
 def _put_record(location: Location, record: Mapping[str, Any], line: bytes) -> None:
     # Microseconds since the epoch, zero-padded: name order is start order (for a century or two).
-    stem = f"{location.prefix}{METRICS_DIR}/{round(record['start'] * 1e6):017d}-{record['op']}"
+    # The generation in the name lets retention prune without reading the records.
+    generation = record.get("generation")
+    stem = (f"{location.prefix}{METRICS_DIR}/{round(record['start'] * 1e6):017d}-{record['op']}"
+            f"{f'-g{generation}' if isinstance(generation, int) else ''}")
     while not location.storage.put_if_absent(f"{stem}-{uuid.uuid4().hex[:8]}{_SUFFIX}", line):
         pass  # the same microsecond and the same random tag: draw another
+
+
+def prune_records(location: Location) -> None:
+    """After a commit's retention: remove the records of operations on generations older than the oldest one kept (a record
+    without a generation: when it started before that generation was claimed)."""
+    committed = [g for g in location.generations() if location.is_committed(g)]
+    if len(committed) < location.keep_generations:
+        return
+    oldest = committed[-location.keep_generations]
+    try:
+        claimed = json.loads(location.storage.read_bytes(location.name(oldest, CLAIM))).get("unix")
+    except (ValueError, AttributeError):  # a claim that is not bcp's JSON object
+        claimed = None
+    folder = f"{location.prefix}{METRICS_DIR}"
+    for name in location.storage.list_dir(folder):
+        fields = name[:-len(_SUFFIX)].split("-")
+        on = next((int(f[1:]) for f in fields[2:-1] if f[:1] == "g" and f[1:].isdigit()), None)
+        started = int(fields[0]) if fields[0].isdigit() else None
+        if (on is not None and on < oldest) or (on is None and started is not None and claimed is not None
+                                                and started < claimed * 1e6):
+            location.storage.delete_tree(f"{folder}/{name}")
 
 
 @contextlib.contextmanager

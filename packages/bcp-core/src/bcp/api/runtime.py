@@ -1,16 +1,40 @@
-"""What one process keeps between saves, in one object with a clear lifetime: the plan cache, the
-host buffers of asynchronous saves and the background lane that commits them in order.
-``reset_runtime()`` (tests, or a job re-creating its process
-groups) waits for pending saves and starts afresh."""
+"""What one process keeps for checkpointing, with one owner and one end.
+
+The Runtime holds the plan cache, the host buffers of asynchronous saves, the background lane
+that commits them in order and the staging buffers of loads; the coordination it uses (bcp's gloo side groups, gRPC coordinators)
+is held by ``bcp.coord`` for the process groups they serve. All of it is released
+
+- when its process group is destroyed (``dist.destroy_process_group()``, with or without a group):
+  pending asynchronous saves are finished first, then the side groups and gRPC coordinators of the
+  destroyed groups are shut down, and once no process group is left, the background lane's threads
+  stop too (a later asynchronous save starts them again);
+- by :func:`shutdown` (every rank calls it), which releases everything;
+- at interpreter exit, from a hook that runs before ``concurrent.futures``' and ``atexit``'s and
+  so before torch's own teardown: pending asynchronous saves are finished (the process says what
+  it waits for on stderr; a Ctrl-C abandons them and removes their uncommitted files), then
+  everything is released while the interpreter is still whole. A gloo group left to the final
+  teardown can abort the process (see ``bcp.coord.side_group``).
+
+``reset_runtime()`` (tests) waits for pending saves and starts afresh, keeping the coordination.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+from typing import Any, Callable
 
+import torch.distributed as dist
+
+from bcp.coord import release_connections
 from bcp.engine.background import BackgroundLane
+from bcp.engine.load_staging import LoadStagingPool
 from bcp.engine.staging import HostBufferPool
 from bcp.planning.plan_cache import PlanCache
+
+#: After a Ctrl-C at exit, how long the abandoned saves get to stop and remove their files.
+ABANDON_WAIT_S = 30.0
 
 
 class Runtime:
@@ -21,11 +45,15 @@ class Runtime:
         #: Two sets: the next save stages into one while the previous one still writes from the other.
         self.buffers = HostBufferPool(max_sets=2)
         self.background = BackgroundLane()
+        #: The last load's staging buffers, which the next load reuses.
+        self.load_staging = LoadStagingPool()
 
     def close(self) -> None:
-        """Wait for every pending save, then release the lane's thread and the cached plans."""
+        """Wait for every pending save, then release the lane's thread, the cached plans and the
+        load staging buffers."""
         self.background.close()
         self.plan_cache.clear()
+        self.load_staging.clear()
 
 
 _current = Runtime()
@@ -43,8 +71,62 @@ def reset_runtime() -> None:
     previous.close()
 
 
-def _wait_at_exit() -> None:
+def shutdown(abandon: bool = False) -> None:
+    """Release everything bcp holds in this process: finish the pending asynchronous saves (with
+    ``abandon``, stop them instead and remove their uncommitted files), stop the background
+    threads, shut down bcp's gloo groups and gRPC coordinators, drop cached plans and host buffers.
+    Every rank calls it, as it would ``destroy_process_group``; a later save or load starts afresh.
+    Returns once all of it is released."""
+    global _current
+    previous, _current = _current, Runtime()
+    if abandon:
+        previous.background.abandon.set()
+        release_connections(every=True)  # a commit barrier waiting for other ranks fails now
+    previous.background.wait_pending()
+    release_connections(every=True)
+    previous.close()
+
+
+def _after_groups_destroyed() -> None:
+    # The side groups are bcp's own, independent of the destroyed groups: pending saves can still
+    # commit over them, and are let finish before their groups go.
     _current.background.wait_pending()
+    release_connections()
+    if not dist.is_initialized():  # the world is gone too: so are the lane's threads (restarted on demand)
+        _current.background.close()
+
+
+def _at_exit() -> None:
+    try:
+        lane = _current.background
+        waiting = lane.pending()
+        if waiting:
+            _say(f"waiting for {len(waiting)} asynchronous save(s) to commit before this process exits: "
+                 f"{'; '.join(waiting)}. Press Ctrl-C to abandon them (their uncommitted files are removed; "
+                 "the last committed checkpoint stays the latest).")
+            try:
+                lane.wait_pending()
+            except KeyboardInterrupt:
+                _abandon(lane, waiting)
+        release_connections(every=True)
+        _current.close()
+    except KeyboardInterrupt:  # yet another Ctrl-C: leave now, without a traceback from bcp
+        _say("exiting at once: an abandoned save may leave uncommitted files, which never load as a "
+             "checkpoint and which a later save's retention removes.")
+
+
+def _abandon(lane: BackgroundLane, waiting: list[str]) -> None:
+    lane.abandon.set()
+    release_connections(every=True)  # a commit barrier waiting for other ranks fails now
+    finished = lane.wait_pending(ABANDON_WAIT_S)
+    _say(f"abandoned {len(waiting)} asynchronous save(s): {'; '.join(waiting)}; "
+         + ("their uncommitted files were removed." if finished else
+            f"they did not stop within {ABANDON_WAIT_S:g}s; their uncommitted files never load as a "
+            "checkpoint and a later save's retention removes them."))
+
+
+def _say(message: str) -> None:
+    print(f"bcp: {message}", file=sys.stderr, flush=True)
 
 
 def _forget_in_child() -> None:
@@ -54,14 +136,37 @@ def _forget_in_child() -> None:
     _current = Runtime()
 
 
+def _watch_group_destruction() -> None:
+    """torch has no callback for a destroyed process group. ``destroy_process_group`` (and abort)
+    end by unregistering the group from c10d's registry through module-level functions it looks up
+    at each call, so wrapping those catches every destruction, however the caller reached it."""
+    c10d = dist.distributed_c10d
+    for name in ("_unregister_process_group", "_unregister_all_process_groups"):
+        original = getattr(c10d, name, None)
+        if original is not None and not getattr(original, "_bcp_watched", False):
+            setattr(c10d, name, _then_release(original))
+
+
+def _then_release(original: Callable[..., Any]) -> Callable[..., Any]:
+    def unregister(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        _after_groups_destroyed()
+        return result
+
+    unregister._bcp_watched = True  # type: ignore[attr-defined]
+    return unregister
+
+
 # concurrent.futures refuses new work once its own exit hook has run, and a save's writers use
 # thread pools: our hook must run before that one. threading's exit hooks run before atexit's,
 # newest first; fall back to atexit where that private hook is missing.
 _register = getattr(threading, "_register_atexit", None)
 if _register is not None:
-    _register(_wait_at_exit)
+    _register(_at_exit)
 else:
     import atexit
 
-    atexit.register(_wait_at_exit)
+    atexit.register(_at_exit)
 os.register_at_fork(after_in_child=_forget_in_child)
+if dist.is_available():
+    _watch_group_destruction()

@@ -107,7 +107,8 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
                                                          cache=not options.verify_replicas)
     monitor.generation = generation
     pieces = writes_of(collected.value.pieces, plan.writes)
-    writer = GenerationWriter(location, generation, threads=options.io_threads)
+    writer = GenerationWriter(location, generation, threads=options.io_threads, background=options.async_save,
+                              abandon=rt.background.abandon if options.async_save else None)
     manifest_of = _manifest_builder(generation, collected.value.framework, plan)
     values = values_to_write(coord.rank, collected.value.values, value_digests)
     if not options.async_save:
@@ -133,7 +134,8 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
     def commit(report: Outcome) -> None:
         commit_generation(background_coord, writer, report, manifest_of, stats, monitor)
 
-    return SaveHandle(location.display, generation, stats, rt.background.submit(write, commit), monitor)
+    job = rt.background.submit(write, commit, label=f"{location.display} (generation {generation})")
+    return SaveHandle(location.display, generation, stats, job, monitor)
 
 
 def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> _Collected:

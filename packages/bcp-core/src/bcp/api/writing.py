@@ -4,17 +4,22 @@ manifest from every rank's report and commits it. ``bcp.save`` and the tools tha
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Sequence
 
 from bcp.api.gc_pause import paused_gc
 from bcp.api.metrics import Monitor
+from bcp.api.metrics_log import prune_records
 from bcp.api.results import PhaseStats
 from bcp.coord import Coordinator
 from bcp.coord.consensus import Outcome, gather_then_reply
 from bcp.engine.writer import GenerationWriter
+from bcp.errors import CheckpointError
 from bcp.layout.manifest import Manifest
 from bcp.layout.write_plan import PieceWrite, ValueWrite
 from bcp.layout.write_report import RankWrites
+
+logger = logging.getLogger("bcp")
 
 
 def write_generation(coord: Coordinator, writer: GenerationWriter, pieces: Sequence[PieceWrite],
@@ -60,6 +65,8 @@ def commit_generation(coord: Coordinator, writer: GenerationWriter, report: Outc
             with paused_gc():  # on the background thread of an async save, the foreground's pause is over
                 manifest = manifest_of([RankWrites.from_wire(wire) for wire, _ in every_rank])
             writer.commit(manifest)
+            if monitor is not None and monitor.metrics_log is True:  # within the commit: its requests are counted
+                _prune_log(writer)
             return [None] * coord.world_size
 
         with stats.phase("commit"):
@@ -72,3 +79,11 @@ def commit_generation(coord: Coordinator, writer: GenerationWriter, report: Outc
         raise
     if monitor and coord.rank == 0:
         monitor.finish(records)
+
+
+def _prune_log(writer: GenerationWriter) -> None:
+    """The metrics log follows the retention just applied; the commit stands whatever happens here."""
+    try:
+        prune_records(writer.location)
+    except (OSError, CheckpointError) as exc:
+        logger.warning("bcp: could not prune the metrics log of %s: %s", writer.location.display, exc)

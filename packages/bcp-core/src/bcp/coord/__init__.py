@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from bcp.coord.base import Coordinator, SingleProcessCoordinator
+from bcp.coord.side_group import release_side_groups
 from bcp.coord.torch_dist import TorchCoordinator
 
 if TYPE_CHECKING:
     from bcp.coord.grpc import GrpcCoordinator
 
 __all__ = ["Coordinator", "SingleProcessCoordinator", "TorchCoordinator", "default_coordinator",
-           "coordinator_named", "as_coordinator", "COORDINATOR_ENV"]
+           "coordinator_named", "as_coordinator", "release_connections", "COORDINATOR_ENV"]
 
 COORDINATOR_ENV = "BCP_COORDINATOR"
 """Names the coordinator ``default_coordinator()`` gives (``torch`` or ``grpc``), for launchers."""
 
-# The gRPC coordinator of each process group (None: met through MASTER_ADDR), made on first use and
-# kept, so that its channels serve every save and load of the job.
+# The gRPC coordinator of each default process group (by id; None: met through MASTER_ADDR), made
+# on first use and kept, so that its channels serve every save and load of the job, until that
+# group is destroyed (release_connections).
 _grpc: dict[int | None, "GrpcCoordinator"] = {}
 
 
@@ -60,3 +63,25 @@ def as_coordinator(coordinator: "Coordinator | str | None") -> Coordinator:
     if isinstance(coordinator, str):
         return coordinator_named(coordinator)
     return coordinator
+
+
+def _forget_in_child() -> None:
+    _inherited.extend(_grpc.values())  # see coord.grpc.coordinator: a forked child never closes them
+    _grpc.clear()
+
+
+_inherited: list["GrpcCoordinator"] = []
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def release_connections(every: bool = False) -> None:
+    """Shut down what coordination holds open for process groups that were destroyed: bcp's gloo
+    side groups and the gRPC coordinators ``coordinator_named("grpc")`` made; ``every``: all of
+    them, and every other open gRPC coordinator too (``bcp.shutdown()``, interpreter exit)."""
+    release_side_groups(every)
+    world = id(dist.group.WORLD) if dist.is_available() and dist.is_initialized() else None
+    for key in [k for k in _grpc if every or (k is not None and k != world)]:
+        _grpc.pop(key).close()
+    grpc_module = sys.modules.get("bcp.coord.grpc.coordinator")  # never import grpc just to close nothing
+    if every and grpc_module is not None:
+        grpc_module.close_open_coordinators()

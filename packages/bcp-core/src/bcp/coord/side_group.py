@@ -3,9 +3,11 @@
 A side group is built over the world's store by its members alone, so ranks outside it take no
 part (two data-parallel groups each save on their own), and it is registered nowhere in torch, so
 it never shifts the names torch gives the user's own groups. It lives while some live process
-group it was handed out for does: each lookup drops the side groups whose process groups were all
-destroyed, and gloo's threads and sockets go with the last reference to it (a coordinator still
-holding one, such as an asynchronous save's, keeps it until it is done).
+group it was handed out for does, and is shut down (gloo's threads joined, its sockets closed) by
+:func:`release_side_groups` when those groups are destroyed, at ``bcp.shutdown()`` and at exit
+(``bcp.api.runtime`` calls it at each), always while the interpreter is fully alive. A gloo group
+left to the interpreter's final teardown can abort the process: its worker threads may still hold
+tensors whose release needs the GIL, which a finalizing interpreter no longer hands out.
 
 A transport failure releases the group at once, so the other members' next exchange fails too
 instead of waiting out the timeout; each member then reports the failure on the store and names
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import logging
+import os
 import re
 import threading
 import time
@@ -29,12 +33,15 @@ from bcp.errors import DistributedError
 
 # How long a member that saw a failure waits for the others' reports before naming the silent ones.
 REPORT_GRACE_S = 5.0
+# A member still waiting in an exchange after this long marks itself present for a roll call.
+_PRESENT_AFTER_S = 0.5
 _POLL_S = 0.05
 # gloo prefixes its messages with the C++ source position: "[.../pair.cc:537] Read error ...".
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]+:\d+\]\s*")
 # ... and ends them with generic advice ("This is typically caused by ...").
 _GLOO_ADVICE = re.compile(r"\s*This is typically caused by .*$")
 
+_log = logging.getLogger("bcp")
 _lock = threading.Lock()
 # (members, timeout, channel) -> the side group handed out for them while one of its process groups lives.
 _live: dict[tuple[tuple[int, ...], float, str], "SideGroup"] = {}
@@ -51,6 +58,9 @@ class SideGroup:
         self.rank = members.index(dist.get_rank())
         self.size = len(members)
         self._parents: list[weakref.ref] = []
+        self._exchanges = 0  # exchanges this member entered: the same count on every member
+        #: Shut down for good (its process groups destroyed, bcp.shutdown(), exit): never rebuilt.
+        self.closed = False
         self.backend: Any = None
         self.store: Any = None
         try:
@@ -66,14 +76,56 @@ class SideGroup:
         except Exception as exc:  # torch raises DistStoreError/DistNetworkError/RuntimeError here
             raise self.failed(f"setting up checkpoint coordination (channel {channel!r})", exc) from exc
 
-    def run(self, op: Callable[[Any], Any]) -> None:
+    def run(self, op: Callable[[Any], Any], warn_after: float | None = None) -> None:
         """Runs the collective ``op(backend)`` (it returns gloo's work) to completion; a failure
-        releases the group and raises a ``DistributedError`` naming the members that did not report it."""
+        releases the group and raises a ``DistributedError`` naming the members that did not report it.
+        Still waiting after ``warn_after`` seconds, it logs a WARNING naming the members that have
+        not reached this exchange (the exchange itself waits on, up to the group's timeout)."""
         backend = self._backend()
+        self._exchanges += 1
         try:
-            op(backend).wait()
+            work = op(backend)
+            if warn_after is None or not self._waited(work, min(_PRESENT_AFTER_S, warn_after)):
+                work.wait()
+                return
+            self._say_present()
+            if self._waited(work, max(0.0, warn_after - _PRESENT_AFTER_S)):
+                self._warn_absent(warn_after)
+            work.wait()
         except Exception as exc:  # DistBackendError/RuntimeError on timeouts and dead peers
             raise self.failed("exchanging", exc) from exc
+
+    def _waited(self, work: Any, seconds: float) -> bool:
+        """Waits up to ``seconds`` for ``work``; whether it is still running then (its failure raises)."""
+        try:
+            work.wait(datetime.timedelta(seconds=seconds))
+            return False
+        except RuntimeError:
+            if work.is_completed():  # not our short wait running out: the exchange failed
+                raise
+            return True
+
+    def _say_present(self) -> None:
+        """Marks this member as arrived at the current exchange, for a waiting member's roll call.
+        Written only by members that wait long, so quick exchanges never touch the store."""
+        try:
+            self.store.set(f"present/{self._exchanges}/{self.rank}", b"")
+        except Exception:  # the store's host is gone: the exchange's own failure says so
+            pass
+
+    def _warn_absent(self, waited: float) -> None:
+        try:
+            absent = [self.members[r] for r in range(self.size)
+                      if r != self.rank and not self.store.check([f"present/{self._exchanges}/{r}"])]
+        except Exception:  # the store's host is gone: the exchange's own failure says so
+            return
+        if absent:
+            _log.warning(
+                "rank %d has waited %gs in a checkpoint exchange over ranks %s (channel %r) for rank(s) %s, "
+                "which have not reached it: every rank of the group must call bcp.save / bcp.load together "
+                "(a save or load called on some ranks only, as under `if rank == 0:`, waits until the "
+                "timeout of %gs and then fails)", self.members[self.rank], waited, _ranks_text(self.members),
+                self.channel, _ranks_text(absent), self.timeout)
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         """Sends ``tensor`` to member ``peer`` (an index in ``members``); returns the work to wait on."""
@@ -83,10 +135,23 @@ class SideGroup:
         """Receives into ``tensor`` from member ``peer``; returns the work to wait on."""
         return self._backend().recv([tensor], peer, tag)
 
+    def close(self) -> None:
+        """Shut the group down now: gloo's threads are joined and its sockets closed (the peers'
+        pending exchanges on it fail). Idempotent."""
+        self.closed = True
+        backend, self.backend, self.store = self.backend, None, None
+        if backend is not None and hasattr(backend, "shutdown"):
+            try:
+                backend.shutdown()
+            except Exception:  # already broken by a failed peer: dropping the reference is all that is left
+                pass
+
     def _backend(self) -> Any:
         if self.backend is None:
+            why = ("was shut down (its process group was destroyed, or bcp.shutdown() or the process's "
+                   "exit released it)" if self.closed else "already failed")
             raise DistributedError(f"checkpoint coordination over ranks {_ranks_text(self.members)} "
-                                   f"(channel {self.channel!r}) already failed")
+                                   f"(channel {self.channel!r}) {why}")
         return self.backend
 
     def failed(self, doing: str, exc: BaseException) -> DistributedError:
@@ -135,6 +200,18 @@ class SideGroup:
         return bool(self._parents)
 
 
+def release_side_groups(every: bool = False) -> int:
+    """Shut down the side groups whose process groups were all destroyed (``every``: all of them);
+    returns how many. Members reach the same decision, as in :func:`side_group`."""
+    live = dist.distributed_c10d._world.pg_map if dist.is_available() else {}
+    with _lock:
+        released = [key for key, group in _live.items() if every or not group._anchored(live)]
+        groups = [_live.pop(key) for key in released]
+    for group in groups:
+        group.close()
+    return len(groups)
+
+
 def side_group(parent: "dist.ProcessGroup", timeout: float, channel: str) -> SideGroup:
     """The side group for ``parent``'s members on ``channel``: the one already handed out while a
     live process group holds it, else a new one (collective over the members only)."""
@@ -151,9 +228,8 @@ def side_group(parent: "dist.ProcessGroup", timeout: float, channel: str) -> Sid
     key = (members, timeout, channel)
     # Every member reaches the same decision here: it depends only on which groups were created
     # and destroyed, which members do in the same order (torch requires it for the groups themselves).
+    release_side_groups()
     with _lock:
-        for k in [k for k, group in _live.items() if not group._anchored(live)]:
-            del _live[k]
         group = _live.get(key)
         if group is not None:
             group._anchor(parent)
@@ -163,6 +239,20 @@ def side_group(parent: "dist.ProcessGroup", timeout: float, channel: str) -> Sid
     with _lock:
         _live[key] = group
     return group
+
+
+def _forget_in_child() -> None:
+    # A forked child (a DataLoader worker) inherits the groups but not gloo's threads: shutting
+    # them down or destroying them there would join threads that do not exist. It keeps them,
+    # unused, for its whole life, and makes its own if it ever coordinates.
+    with _lock:
+        _inherited.extend(_live.values())
+        _live.clear()
+
+
+# Groups a forked child inherited, never touched nor destroyed (see _forget_in_child).
+_inherited: list[SideGroup] = []
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _digest(members: tuple[int, ...]) -> str:

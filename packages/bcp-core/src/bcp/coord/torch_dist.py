@@ -4,12 +4,17 @@ fast. Its life, who takes part in creating it and how its failures are reported:
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from bcp.coord.side_group import SideGroup, side_group
 
 DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_WARN_AFTER_S = 30.0
+#: Seconds a rank waits in an exchange before it warns about the ranks that have not reached it.
+WARN_AFTER_ENV = "BCP_WARN_AFTER_S"
 # Size of the block every exchange starts with (per rank, so it stays small for thousands of ranks).
 BLOCK_BYTES = 256
 _HEADER_BYTES = 16
@@ -21,20 +26,24 @@ class TorchCoordinator:
     world). Only those members construct it, together; ranks outside ``group`` take no part.
 
     ``timeout`` (seconds) bounds every exchange; by default it is the parent group's own timeout.
+    ``warn_after`` (seconds; default ``BCP_WARN_AFTER_S`` or 30): a rank still waiting in an exchange
+    after that long logs a WARNING naming the ranks that have not reached it (``None`` or 0: never).
     """
 
     def __init__(self, group: "dist.ProcessGroup | None" = None, timeout: float | None = None,
-                 channel: str = "plan") -> None:
+                 channel: str = "plan", warn_after: float | None = None) -> None:
         parent = group if group is not None else dist.group.WORLD
         self.parent = parent
         self.channel = channel
+        self.warn_after = _warn_after() if warn_after is None else (warn_after or None)
         self.timeout = timeout if timeout is not None else _group_timeout(parent)
         self.group: SideGroup = side_group(parent, self.timeout, channel)
         self.rank = self.group.rank
         self.world_size = self.group.size
 
     def sibling(self) -> "TorchCoordinator":
-        return TorchCoordinator(self.parent, self.timeout, channel=f"{self.channel}/background")
+        return TorchCoordinator(self.parent, self.timeout, channel=f"{self.channel}/background",
+                                warn_after=self.warn_after or 0)
 
     def cache_key(self) -> object:
         # The ranks, not the group object: a plan stays valid for a re-created group of the same ranks.
@@ -105,9 +114,9 @@ class TorchCoordinator:
         """Runs ``op(backend)`` on the side group; the root of every rooted collective is member 0,
         the default of gloo's options. After a failure (which released the group, see
         ``side_group``) the next exchange, that of a later save, rebuilds it."""
-        if self.group.backend is None:
+        if self.group.backend is None and not self.group.closed:
             self.group = side_group(self.parent, self.timeout, self.channel)
-        self.group.run(op)
+        self.group.run(op, self.warn_after)
 
 
 def _block(data: bytes, width: int) -> torch.Tensor:
@@ -137,6 +146,17 @@ def _to_tensor(data: bytes, width: int) -> torch.Tensor:
     if data:
         t[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return t
+
+
+def _warn_after() -> float | None:
+    text = os.environ.get(WARN_AFTER_ENV)
+    if not text:
+        return DEFAULT_WARN_AFTER_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"{WARN_AFTER_ENV}={text!r} is not a number of seconds") from None
+    return seconds if seconds > 0 else None
 
 
 def _group_timeout(group: "dist.ProcessGroup") -> float:

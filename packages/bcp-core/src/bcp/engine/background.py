@@ -1,12 +1,17 @@
 """The background lane of asynchronous saves, in two stages with a thread each: a save's writes,
 then its commit barrier (every rank's report to the coordinating rank, the commit, the verdict).
 Each stage runs one save at a time in call order, so commits happen in the order ``save`` was
-called, while the next save's writes overlap the previous save's barrier instead of waiting for it."""
+called, while the next save's writes overlap the previous save's barrier instead of waiting for it.
+
+The lane belongs to the process's Runtime: it is closed by ``bcp.shutdown()``, when the process
+groups are destroyed, and at interpreter exit (after waiting for its saves, or abandoning them)."""
 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 
@@ -16,11 +21,14 @@ class BackgroundLane:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stages: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
-        self._pending: list[Future] = []
+        self._pending: list[tuple[Future, str]] = []
+        #: Set to abandon every save not yet committed: their writers stop (see GenerationWriter).
+        self.abandon = threading.Event()
 
-    def submit(self, first: Callable[[], Any], then: Callable[[Any], Any]) -> Future:
+    def submit(self, first: Callable[[], Any], then: Callable[[Any], Any], label: str = "a save") -> Future:
         """Runs ``first()`` on the first stage's thread, then ``then(its result)`` on the second's;
-        the future holds ``then``'s result, or the exception of whichever stage raised."""
+        the future holds ``then``'s result, or the exception of whichever stage raised. ``label``
+        names the job in what the process says while it waits for it at exit."""
         done: Future = Future()
 
         def run_first() -> None:
@@ -40,16 +48,27 @@ class BackgroundLane:
                                 ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcp-async-commit"))
             head, second = self._stages
             head.submit(run_first)
-            self._pending[:] = [f for f in self._pending if not f.done()] + [done]
+            self._pending[:] = [(f, what) for f, what in self._pending if not f.done()] + [(done, label)]
         return done
 
-    def wait_pending(self) -> None:
-        """Block until every job submitted so far has finished. Errors are not raised here: each
-        save's handle raises its own from ``wait()``."""
+    def pending(self) -> list[str]:
+        """The labels of the jobs not finished yet, in call order."""
         with self._lock:
-            pending = list(self._pending)
+            return [what for f, what in self._pending if not f.done()]
+
+    def wait_pending(self, timeout: float | None = None) -> bool:
+        """Block until every job submitted so far has finished (or ``timeout`` seconds passed);
+        returns whether they all finished. Errors are not raised here: each save's handle raises
+        its own from ``wait()``."""
+        with self._lock:
+            pending = [f for f, _ in self._pending]
+        deadline = None if timeout is None else time.monotonic() + timeout
         for future in pending:
-            future.exception()
+            try:
+                future.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                return False
+        return True
 
     def close(self) -> None:
         """Wait for the pending jobs, then stop the threads."""

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import torch
+import ctypes
 
-# dtypes numpy shares with torch: their bytes are viewed in one step, which matters when a state
-# has thousands of small tensors; the others (bfloat16, float8, ...) are viewed as uint8 first.
-_NUMPY_DTYPES = frozenset({
-    torch.float64, torch.float32, torch.float16, torch.complex64, torch.complex128, torch.int64,
-    torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-})
+import torch
 
 
 def host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -20,9 +15,18 @@ def host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory."""
-    if tensor.numel() == 0:
+    """A writable byte view of a contiguous CPU tensor's memory; it keeps the tensor alive.
+
+    Made from the tensor's address rather than through ``Tensor.numpy()``, which marks the storage
+    as never to be resized again: bcp would otherwise leave that mark on every tensor it saves or
+    loads, and a later load could no longer hand such a tensor its staged memory."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_conj() or tensor.is_neg():
+        raise ValueError(f"byte_view needs a contiguous CPU tensor with its values in memory, not {tensor.device} "
+                         f"{'contiguous' if tensor.is_contiguous() else 'strided'}"
+                         f"{' conjugated' if tensor.is_conj() else ''}{' negated' if tensor.is_neg() else ''}")
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
         return memoryview(bytearray())
-    if tensor.dtype in _NUMPY_DTYPES:
-        return memoryview(tensor.numpy()).cast("B")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    memory = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+    memory.owner = tensor  # the view holds ``memory``, which holds the tensor
+    return memoryview(memory).cast("B")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from bcp.engine.checksum import crc_of
 from bcp.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
-                        FormatVersionError)
+                        FormatVersionError, StorageError)
 from bcp.layout.manifest import FORMAT_NAME, SHARD_TABLE, SUPPORTED_VERSIONS, FORMAT_VERSION, Manifest
 from bcp.storage.base import Storage
 
@@ -78,8 +78,12 @@ class Location:
         existing = self.generations()
         generation = existing[-1] + 1 if existing else 1
         claim = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "unix": time.time()}).encode()
-        while not self.storage.put_if_absent(self.name(generation, CLAIM), claim):
-            generation += 1
+        try:
+            while not self.storage.put_if_absent(self.name(generation, CLAIM), claim):
+                generation += 1
+        except OSError as exc:  # a read-only or full file system, a folder without write permission
+            raise StorageError(f"cannot claim generation {generation} (creating {generation_dir(generation)}/"
+                               f"{CLAIM}): {exc.strerror or exc}", path=self.display) from exc
         return generation
 
     def latest_committed(self) -> int:

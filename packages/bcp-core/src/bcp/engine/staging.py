@@ -3,8 +3,9 @@ so training may change its tensors as soon as ``save`` returns.
 
 A pool keeps at most ``max_sets`` buffers (ping-pong: the next save stages into one buffer while
 the previous save is still writing from the other) and reuses them across saves, so host memory
-stays flat. Where CUDA is present the buffers are pinned, making the device-to-host copy fast and
-asynchronous until the single synchronisation at the end of staging.
+stays flat. Where an accelerator is present the buffers are pinned, and tensors in its memory are
+copied on bcp's copy stream after the work queued so far (``device_copies``): staging waits for
+those copies only, not for every kernel training has queued.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import threading
 
 import torch
 
+from bcp.engine.device_copies import is_accelerator, pin_host, to_host
 from bcp.layout.write_plan import PieceWrite
 
 ALIGN = 64  # every staged piece starts on a 64-byte boundary: any dtype view of it is aligned
@@ -48,7 +50,7 @@ class HostBufferPool:
                 dropped = self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
                 self._allocated -= dropped.numel()
             self._allocated += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=_pin())
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_host())
 
     def release(self, buffer: torch.Tensor) -> None:
         with self._cond:
@@ -63,21 +65,18 @@ class HostBufferPool:
             return self._allocated
 
 
-def _pin() -> bool:
-    return torch.cuda.is_available()
-
-
 def stage(writes: list[PieceWrite], buffer: torch.Tensor) -> list[PieceWrite]:
     """Copy each write's tensor into ``buffer``; the returned writes read from the copies."""
-    staged, offset, from_cuda = [], 0, False
+    staged, offset, from_device = [], 0, []
     for write in writes:
         t = write.tensor()
         nbytes = write.nbytes
         view = buffer[offset: offset + nbytes].view(t.dtype).view(t.shape)
-        from_cuda |= t.device.type == "cuda"
-        view.copy_(t, non_blocking=t.device.type == "cuda")
+        if is_accelerator(t):
+            from_device.append((view, t))
+        else:
+            view.copy_(t)
         staged.append(PieceWrite(write.index, write.part, view, nbytes))
         offset += _aligned(nbytes)
-    if from_cuda:
-        torch.cuda.synchronize()  # the copies above were queued asynchronously into pinned memory
+    to_host(from_device)
     return staged

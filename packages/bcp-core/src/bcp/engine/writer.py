@@ -19,7 +19,8 @@ import torch
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import chunk_crcs
 from bcp.engine.location import Location, data_file_name
-from bcp.errors import CheckpointError, StorageError
+from bcp.engine.priority import lower_this_thread
+from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.write_plan import PieceWrite, ValueWrite
 from bcp.layout.write_report import PieceRecord, RankWrites, ValueRecord, WrittenPieces
@@ -39,11 +40,16 @@ class GenerationWriter:
     """Generation ``generation`` at ``location``, being written."""
 
     def __init__(self, location: Location, generation: int, *, threads: int,
-                 chunk: int = DEFAULT_CHECKSUM_CHUNK) -> None:
+                 chunk: int = DEFAULT_CHECKSUM_CHUNK, background: bool = False,
+                 abandon: threading.Event | None = None) -> None:
         self.location = location
         self.generation = generation
         self.threads = threads
         self.chunk = chunk
+        #: Writer threads at a lower CPU and I/O priority (an asynchronous save, beside training).
+        self.background = background
+        #: Once set, the writes stop before their next piece and fail with SaveAbandonedError.
+        self.abandon = abandon
 
     def write_rank(self, rank: int, pieces: Sequence[PieceWrite], values: Sequence[ValueWrite],
                    on_written: Callable[[int], None] | None = None) -> RankWrites:
@@ -57,7 +63,8 @@ class GenerationWriter:
         value_rows: list[ValueRecord] = []
         if on_written is not None:  # called from the writer threads: one at a time
             on_written = _serialized(on_written)
-        with ThreadPoolExecutor(max_workers=len(bins) or 1, thread_name_prefix="bcp-write") as pool:
+        with ThreadPoolExecutor(max_workers=len(bins) or 1, thread_name_prefix="bcp-write",
+                                initializer=lower_this_thread if self.background else None) as pool:
             futures = [pool.submit(self._write_file, files[i], i, file_items, on_written)
                        for i, file_items in enumerate(bins)]
             for future in futures:
@@ -85,6 +92,9 @@ class GenerationWriter:
         def stream() -> Iterator[memoryview]:
             offset = 0
             for item in items:
+                if self.abandon is not None and self.abandon.is_set():
+                    raise SaveAbandonedError(f"the save of generation {self.generation} was abandoned "
+                                             f"before {name} was complete", path=self.location.display)
                 if item.piece is not None:
                     write = item.piece
                     data = byte_view(host_contiguous(_produced(write)))

@@ -211,7 +211,7 @@ class _ManifestParser:
             objects={n: self.object(n, e, world_size) for n, e in self.dict_of(doc, "objects").items()},
             checksum_chunk=self.chunk,
             unsafe_pickle=self.optional(doc, "unsafe_pickle", (bool,), False),
-            created_unix=float(self.optional(doc, "created_unix", (int, float), 0.0)),
+            created_unix=self.seconds_since_epoch(doc, "created_unix"),
             writer=self.optional(doc, "writer", (str,), ""),
         )
 
@@ -350,11 +350,22 @@ class _ManifestParser:
             raise self.fail(f"'{key}' must be of type {' or '.join(t.__name__ for t in types)}")
         return value
 
+    def seconds_since_epoch(self, doc: dict, key: str) -> float:
+        """An optional time stamp (0 when absent), within what a date can show."""
+        value = self.optional(doc, key, (int, float), 0.0)
+        if not -_MAX_EPOCH_SECONDS <= value <= _MAX_EPOCH_SECONDS:
+            raise self.fail(f"'{key}' is {value}, not a time in seconds since 1970 (at most {_MAX_EPOCH_SECONDS:g})")
+        return float(value)
+
     def str_of(self, doc: dict, key: str) -> str:
         value = doc.get(key)
         if not isinstance(value, str):
             raise self.fail(f"'{key}' must be a string")
         return value
+
+
+# Year 5138: far beyond any checkpoint, well within what floats and datetime can represent.
+_MAX_EPOCH_SECONDS = 1e11
 
 
 def _safe_relpath(name: str) -> bool:

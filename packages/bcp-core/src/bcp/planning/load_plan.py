@@ -3,6 +3,8 @@ byte ranges to read and where in the destination they go (paper section 3.3, ste
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -13,6 +15,9 @@ from bcp.layout.manifest import Manifest
 from bcp.layout.shard_table import ShardTable
 from bcp.layout.piece import Piece, box_columns
 from bcp.layout.read_op import ReadOp
+
+#: Makes staging tensors: for each (live piece, shape, dtype), a host tensor of that shape and dtype.
+Allocate = Callable[[list[tuple[torch.Tensor, tuple[int, ...], torch.dtype]]], list[torch.Tensor]]
 
 
 def check_meta(manifest: Manifest, name: str, dtype: torch.dtype, shape: tuple[int, ...], path: str, *,
@@ -28,21 +33,27 @@ def check_meta(manifest: Manifest, name: str, dtype: torch.dtype, shape: tuple[i
                             f"{list(shape)}", path=path, key=name)
 
 
-def staged(manifest: Manifest, pieces: list[Piece], *,
-           every: bool) -> tuple[list[Piece], list[tuple[Piece, torch.Tensor]]]:
-    """The pieces to read, and (live piece, staging tensor) pairs to copy once read: a piece is read
-    into a staging tensor of the saved dtype when ``every`` (a transactional load) or when its dtype
-    is not the saved one (a cast load; the copy converts)."""
-    reads, pairs = [], []
+def staged(manifest: Manifest, pieces: list[Piece], *, every: bool,
+           allocate: Allocate | None = None) -> tuple[list[Piece], list[tuple[Piece, torch.Tensor]]]:
+    """The pieces to read, and (live piece, staging tensor) pairs to place once read: a piece is
+    read into a staging tensor of the saved dtype when ``every`` (a transactional load), when its
+    dtype is not the saved one (a cast load; placing converts), or when it is not in host memory
+    (reads land in host memory). ``allocate`` makes the staging tensors (``torch.empty`` by default)."""
+    reads, wanted = [], []
     for piece in pieces:
         saved = dtype_from_name(manifest.tensors[piece.name].dtype)
-        if not every and piece.dtype == saved:
+        if not every and piece.dtype == saved and piece.tensor.device.type == "cpu":
             reads.append(piece)
-            continue
-        staging = torch.empty(piece.box.lengths, dtype=saved)
-        pairs.append((piece, staging))
+        else:
+            wanted.append((piece, saved))
+    stagings = (allocate or _fresh)([(piece.tensor, piece.box.lengths, saved) for piece, saved in wanted])
+    for (piece, saved), staging in zip(wanted, stagings):
         reads.append(Piece(piece.name, saved, piece.global_shape, piece.box, staging))
-    return reads, pairs
+    return reads, [(piece, staging) for (piece, _), staging in zip(wanted, stagings)]
+
+
+def _fresh(requests: list[tuple[torch.Tensor, tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    return [torch.empty(shape, dtype=dtype) for _, shape, dtype in requests]
 
 
 def plan_reads(manifest: Manifest, pieces: list[Piece]) -> list[ReadOp]:

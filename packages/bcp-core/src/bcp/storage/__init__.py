@@ -11,7 +11,7 @@ from bcp.storage.base import Storage
 from bcp.storage.hdfs import HdfsStorage
 from bcp.storage.local import LocalStorage
 from bcp.storage.memory import MemoryStorage
-from bcp.storage.registry import register_backend, registered_schemes, storage_for
+from bcp.storage.registry import is_url, register_backend, registered_schemes, storage_for
 from bcp.storage.retry import RetryingStorage, RetryPolicy, RetryStats
 from bcp.storage.s3 import S3Storage
 
@@ -26,7 +26,7 @@ __all__ = [
            "Storage",
            "register_backend",
            "registered_schemes",
-           "storage_for",
+           "storage_for", "is_url",
 ]
 
 register_backend("file", lambda url: LocalStorage(url[len("file://"):]))

@@ -26,13 +26,19 @@ def registered_schemes() -> list[str]:
     return sorted(_factories)
 
 
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether a checkpoint path is a URL (``scheme://...``, ``file://`` included) rather than a
+    plain local path."""
+    return "://" in os.fspath(path)
+
+
 def storage_for(path: str | os.PathLike | Storage) -> Storage:
     """The backend for a checkpoint path or URL. A ``Storage`` instance is used as is; a plain path is
     a local directory; ``scheme://...`` goes to the factory registered for ``scheme``."""
     if isinstance(path, Storage):
         return path
     text = os.fspath(path)
-    if "://" not in text:
+    if not is_url(text):
         return LocalStorage(text)
     scheme = text.split("://", 1)[0].lower()
     factory = _factories.get(scheme)

@@ -1,15 +1,18 @@
 """The heat map of one operation: every rank's time in a phase, laid out by its topology coordinates
 (pipeline stages down, data-parallel ranks across, one panel per tensor-parallel rank; other
-coordinates join the columns), the straggler outlined. Ranks without coordinates (or whose
-coordinates collide) are laid out by rank number."""
+coordinates join the columns), on a colour scale from zero, the straggler (if any) outlined; below
+it, the operations of the log over time. Ranks without coordinates (or whose coordinates collide)
+are laid out by rank number."""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
+from typing import Any, Sequence
 
-from bcp.tools.report import Report, phase_seconds
+from bcp.api.metrics import OpRecord
+from bcp.tools.op_summary import Report, phase_seconds
 
 # Which coordinate goes where, by preference; coordinates not named here join the columns.
 _PANELS, _ROWS, _COLUMNS = ("tp",), ("pp",), ("dp", "ep", "cp")
@@ -72,67 +75,79 @@ def _by_keys(topologies: dict[int, dict[str, int]], panel_keys: list[str], row_k
 
 
 def _by_rank(ranks: list[int]) -> Layout:
+    """Ranks in reading order on a near-square grid; each row is labelled with the ranks it holds
+    (every cell names its rank), the columns have no labels of their own."""
     columns = max(1, math.ceil(math.sqrt(len(ranks))))
-    rows = max(1, math.ceil(len(ranks) / columns))
+    rows = [ranks[start:start + columns] for start in range(0, len(ranks), columns)] or [[]]
     cells = {rank: (0, i // columns, i % columns) for i, rank in enumerate(ranks)}
-    return Layout(cells, [""], [str(r * columns) for r in range(rows)], [f"+{c}" for c in range(columns)],
-                  "rank (row start)", "rank (offset)")
+    row_labels = [f"{row[0]}" if len(row) == 1 else f"{row[0]}\u2013{row[-1]}" for row in rows if row] or [""]
+    return Layout(cells, [""], row_labels, [""] * columns, "ranks", "")
 
 
-def draw_heatmap(summary: Report, path: "str | os.PathLike", dpi: int = 100) -> Heatmap:
-    """Draw ``summary``'s phase (seconds per rank) as a heat map PNG at ``path``."""
+def draw_heatmap(summary: Report, path: "str | os.PathLike", dpi: int = 100,
+                 history: Sequence[OpRecord] = ()) -> Heatmap:
+    """Draw ``summary``'s phase (time per rank) as a heat map PNG at ``path``; with ``history`` (the
+    log's records, the summarized one among them) a timeline of those operations below it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
     record, phase = summary.record, summary.phase
+    history = history if len(history) > 1 else ()  # one operation has no course over time
     seconds = phase_seconds(record, phase)
+    scale, unit = _time_unit(max(seconds.values(), default=0.0))
     layout = layout_of({r.rank: r.topology for r in record.ranks if r.rank in seconds})
     n_panels, n_rows, n_columns = len(layout.panel_labels), len(layout.row_labels), len(layout.column_labels)
     grids = np.full((n_panels, n_rows, n_columns), np.nan)
     for rank, (p, r, c) in layout.cells.items():
-        grids[p, r, c] = seconds[rank]
-    finite = [v for v in seconds.values()]
-    low, high = (min(finite), max(finite)) if finite else (0.0, 1.0)
-    straggler = max(seconds, key=seconds.__getitem__) if seconds else None
-    median = float(np.median(finite)) if finite else 0.0
+        grids[p, r, c] = seconds[rank] * scale
+    # From zero: colours then compare times, and a few milliseconds of spread stay a few shades.
+    high = max(seconds.values(), default=0.0) * scale or 1.0
+    straggler = summary.straggler.slowest_rank if summary.straggler and summary.straggler.phase == phase else None
 
-    width = min(4.0 + 1.1 * n_columns * n_panels, 40.0)
-    height = min(2.6 + 0.75 * n_rows, 30.0)
-    fig, axes = plt.subplots(1, n_panels, figsize=(width, height), dpi=dpi, squeeze=False, layout="constrained")
+    width = min(4.5 + 1.1 * n_columns * n_panels, 40.0)
+    map_height = min(2.4 + 0.75 * n_rows, 30.0)
+    timeline_height = 2.2 if history else 0.0
+    fig = plt.figure(figsize=(max(width, 7.0 if history else 0.0), map_height + timeline_height), dpi=dpi,
+                     layout="constrained")
+    grid = fig.add_gridspec(2 if history else 1, n_panels,
+                            height_ratios=[map_height, timeline_height] if history else None)
+    axes = [fig.add_subplot(grid[0, p]) for p in range(n_panels)]
     cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")  # grey: no rank at these coordinates
     image = None
-    for p, ax in enumerate(axes[0]):
-        image = ax.imshow(grids[p], cmap=cmap, vmin=low, vmax=high if high > low else low + 1e-9, aspect="auto")
-        ax.set_xticks(range(n_columns), layout.column_labels)
+    for p, ax in enumerate(axes):
+        image = ax.imshow(grids[p], cmap=cmap, vmin=0.0, vmax=high, aspect="auto")
         ax.set_yticks(range(n_rows), layout.row_labels)
-        ax.set_xlabel(layout.column_title or "column")
-        ax.set_ylabel(layout.row_title or "row")
+        ax.set_ylabel(layout.row_title)
+        if layout.column_title:
+            ax.set_xticks(range(n_columns), layout.column_labels)
+            ax.set_xlabel(layout.column_title)
+        else:
+            ax.set_xticks([])
         if layout.panel_labels[p]:
             ax.set_title(layout.panel_labels[p])
         for rank, (panel, r, c) in layout.cells.items():
             if panel != p:
                 continue
-            value = seconds[rank]
-            light = value < low + 0.6 * (high - low) if high > low else True
-            ax.text(c, r, f"rank {rank}\n{value:.3g} s", ha="center", va="center", fontsize=8,
-                    color="white" if light else "black")
+            value = seconds[rank] * scale
+            ax.text(c, r, f"rank {rank}\n{value:.3g} {unit}", ha="center", va="center", fontsize=8,
+                    color="white" if value < 0.6 * high else "black")
             if rank == straggler:
                 ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=3))
-    fig.colorbar(image, ax=list(axes[0]), label=f"{phase} time (s)")
-    outline = plt.Rectangle((0, 0), 1, 1, fill=False, edgecolor="red", linewidth=3)
-    fig.legend(handles=[outline], labels=["straggler (slowest rank)"], loc="outside lower left", fontsize=8,
-               frameon=False)
-    ratio = seconds[straggler] / median if straggler is not None and median > 0 else 1.0
-    fig.suptitle(f"bcp {record.op} generation {record.generation}: {phase} time per rank (s); straggler rank "
-                 f"{straggler}, max/median {ratio:.2f}", fontsize=10)
+    fig.colorbar(image, ax=axes, label=f"{phase} time per rank ({unit})")
+    if straggler is not None:
+        outline = plt.Rectangle((0, 0), 1, 1, fill=False, edgecolor="red", linewidth=3)
+        fig.legend(handles=[outline], labels=["straggler"], loc="outside lower left", fontsize=8, frameon=False)
+    fig.suptitle(f"{record.title}: {phase} time per rank\n{_verdict(summary, scale, unit)}", fontsize=10)
+    if history:
+        _draw_timeline(fig.add_subplot(grid[1, :]), history, record)
     fig.canvas.draw()
     size = fig.canvas.get_width_height()
     centres: dict[int, tuple[float, float]] = {}
     cell = (0.0, 0.0)
     for rank, (p, r, c) in layout.cells.items():
-        transform = axes[0][p].transData
+        transform = axes[p].transData
         x, y = transform.transform((c, r))
         x1, y1 = transform.transform((c + 1, r + 1))
         centres[rank] = (float(x), float(size[1] - y))
@@ -140,3 +155,52 @@ def draw_heatmap(summary: Report, path: "str | os.PathLike", dpi: int = 100) -> 
     fig.savefig(os.fspath(path), dpi=dpi)
     plt.close(fig)
     return Heatmap(os.fspath(path), size, centres, cell)
+
+
+def _verdict(summary: Report, scale: float, unit: str) -> str:
+    """The straggler, or how far the slowest rank is from the median when none is flagged."""
+    flagged = summary.straggler
+    widest = flagged or summary.widest
+    if widest is None:
+        return "one rank: no straggler"
+    gap = f"{widest.gap * scale:.3g} {unit} ({widest.ratio:.2f}x) above the median"
+    if flagged is not None:
+        return f"straggler: rank {flagged.slowest_rank} in {flagged.phase}, {gap}"
+    return f"no straggler: the slowest, rank {widest.slowest_rank} in {widest.phase}, is {gap}"
+
+
+def _time_unit(longest: float) -> tuple[float, str]:
+    """Milliseconds below a second, else seconds: the scale and the unit's name."""
+    return (1e3, "ms") if longest < 1.0 else (1.0, "s")
+
+
+_MARKERS = {"save": ("o", "tab:blue"), "load": ("s", "tab:orange")}
+
+
+def _draw_timeline(ax: Any, history: Sequence[OpRecord], shown: OpRecord) -> None:
+    """Each operation of the log as a stem at its start, as high as it took; failures as red crosses,
+    the operation of the heat map ringed."""
+    origin = min(r.start for r in history)
+    span = max(r.start for r in history) - origin
+    scale, unit = (1 / 3600, "hours") if span > 3 * 3600 else (1 / 60, "minutes") if span > 180 else (1.0, "seconds")
+    longest = max((r.seconds for r in history), default=0.0)
+    y_scale, y_unit = _time_unit(longest)
+    for op, (marker, colour) in _MARKERS.items():
+        done = [r for r in history if r.op == op and r.ok]
+        if done:
+            xs = [(r.start - origin) * scale for r in done]
+            ys = [r.seconds * y_scale for r in done]
+            ax.vlines(xs, 0, ys, colors=colour, linewidth=1)
+            ax.scatter(xs, ys, marker=marker, color=colour, label=op, zorder=3)
+    failed = [r for r in history if not r.ok]
+    if failed:
+        ax.scatter([(r.start - origin) * scale for r in failed], [r.seconds * y_scale for r in failed],
+                   marker="x", color="red", label="failed", zorder=3)
+    ax.scatter([(shown.start - origin) * scale], [shown.seconds * y_scale], s=220, facecolors="none",
+               edgecolors="black", linewidths=1.5, label="shown above", zorder=4)
+    ax.set_ylim(0, max(longest * y_scale * 1.35, 1e-9))
+    ax.set_xlabel(f"start ({unit} since the log's first operation)")
+    ax.set_ylabel(f"duration ({y_unit})")
+    ax.set_title(f"operations in the log ({len(history)})", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", ncols=4, fontsize=8, frameon=False)

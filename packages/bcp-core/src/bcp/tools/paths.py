@@ -12,7 +12,7 @@ import os
 from typing import Sequence
 
 from bcp.errors import CheckpointError
-from bcp.storage import LocalStorage, Storage, storage_for
+from bcp.storage import LocalStorage, Storage, is_url, storage_for
 
 
 def _storage(path: "str | os.PathLike") -> Storage:
@@ -56,5 +56,5 @@ def check_new_local_output(out: "str | os.PathLike", sources: Sequence["str | os
 
 
 def _inside(path: str, folder: str) -> bool:
-    separator = "/" if "://" in folder else os.sep
+    separator = "/" if is_url(folder) else os.sep
     return path == folder or path.startswith(folder.rstrip(separator) + separator)

@@ -60,7 +60,7 @@ def draw_gantt(record: OpRecord, path: "str | os.PathLike", ranks: Sequence[int]
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in names], labels=names,
               title="phase", loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
     ax.grid(axis="x", alpha=0.3)
-    ax.set_title(f"bcp {record.op} generation {record.generation}: phases per rank")
+    ax.set_title(f"{record.title}: phases per rank")
     fig.savefig(os.fspath(path), dpi=dpi)
     plt.close(fig)
 

@@ -11,7 +11,6 @@ timeout ends. After a failure the coordinator refuses further exchanges: ranks a
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import socket
@@ -291,7 +290,17 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-@atexit.register
-def _close_all() -> None:
+def _forget_in_child() -> None:
+    # A forked child inherits the coordinators but not gRPC's threads: it never closes them.
+    _inherited.extend(_open)
+    _open.clear()
+
+
+_inherited: list["GrpcCoordinator"] = []
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def close_open_coordinators() -> None:
+    """Close every gRPC coordinator of this process still open (``bcp.shutdown()`` and exit)."""
     for coordinator in list(_open):
         coordinator.close()

@@ -1,0 +1,182 @@
+"""The background lane beside training: a launch-bound training loop (about 1 ms of Python per step
+on one thread, as a GPU trainer's host loop is) runs alone, then while an asynchronous save of the
+state runs, for each candidate lane setting; a synchronous save of the same state is the anchor of
+the save time. Interleaved rounds in one fresh process, medians.
+
+    .venv/bin/python benchmarks/async_lane.py                  # 512 MB state, 3 rounds
+    .venv/bin/python benchmarks/async_lane.py --size-mb 896 --rounds 5
+
+Targets: the step rate during the save >= 0.95x the rate alone, and the asynchronous save's call to
+commit <= 1.5x the synchronous save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import bcp  # noqa: E402
+import bcp.engine.writer as writer_module  # noqa: E402
+
+from bcpbench import disk  # noqa: E402
+from bcpbench.launch import launch  # noqa: E402
+from bcpbench.methods import DcpAsync  # noqa: E402
+from bcpbench.state import gpt_shapes, random_state, state_nbytes  # noqa: E402
+
+ALONE_S = 1.5
+STEP_S = 0.001
+
+
+def calibrated_step() -> Callable[[], None]:
+    """A step of pure Python taking about ``STEP_S`` on this machine when alone."""
+    def spin(n: int) -> int:
+        total = 0
+        for i in range(n):
+            total += i
+        return total
+
+    n, started = 10_000, time.perf_counter()
+    spin(n)
+    per = (time.perf_counter() - started) / n
+    count = max(1, int(STEP_S / per))
+    return lambda: spin(count)
+
+
+def steps_while(busy: Callable[[], bool], step: Callable[[], None]) -> tuple[float, list[float]]:
+    """Steps until ``busy()`` is false: steps per second and each step's seconds."""
+    times, started = [], time.perf_counter()
+    while busy():
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return len(times) / (time.perf_counter() - started), times
+
+
+@contextlib.contextmanager
+def normal_priority() -> Iterator[None]:
+    """Writer threads at the training thread's priority (the lane's setting before background priority)."""
+    lower = writer_module.lower_this_thread
+    writer_module.lower_this_thread = lambda: None
+    try:
+        yield
+    finally:
+        writer_module.lower_this_thread = lower
+
+
+def candidates() -> dict[str, Callable[[str, dict], Any]]:
+    """Name -> start an asynchronous save, returning something with ``done()``."""
+    def bcp_async(io_threads: int, lowered: bool) -> Callable[[str, dict], Any]:
+        def start(path: str, state: dict) -> Any:
+            with contextlib.nullcontext() if lowered else normal_priority():
+                handle = bcp.save(path, {"model": state}, async_save=True, io_threads=io_threads)
+                # the writer threads start in the background: keep the setting until they have
+                _wait_for_writers()
+            return handle
+        return start
+
+    dcp = DcpAsync(reuse_stager=False)
+    return {
+        "bcp, io_threads=4, normal priority": bcp_async(4, False),
+        "bcp, io_threads=1, normal priority": bcp_async(1, False),
+        "bcp, io_threads=4, background priority (default)": bcp_async(4, True),
+        "bcp, io_threads=2, background priority": bcp_async(2, True),
+        "DCP async_save (thread)": lambda path, state: dcp.save_async(path, state),
+    }
+
+
+def _wait_for_writers(timeout: float = 2.0) -> None:
+    import threading
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not any(t.name.startswith("bcp-write_") for t in threading.enumerate()):
+        time.sleep(0.0005)
+
+
+def run(config: dict[str, Any]) -> dict:
+    if config.get("switch_interval"):  # diagnosis: how much of the cost is waiting for the GIL
+        sys.setswitchinterval(config["switch_interval"])
+    shapes = gpt_shapes(config["size_bytes"])
+    state = random_state(shapes, seed=1)
+    step = calibrated_step()
+    results: dict[str, dict[str, list[float]]] = {}
+    workdir = config["workdir"]
+
+    def add(name: str, key: str, value: float) -> None:
+        results.setdefault(name, {}).setdefault(key, []).append(value)
+
+    starts = candidates()
+    for rnd in range(-1, config["rounds"]):  # round -1 warms up (buffers, plan cache), untimed
+        until = time.perf_counter() + ALONE_S
+        rate, times = steps_while(lambda: time.perf_counter() < until, step)
+        if rnd >= 0:
+            add("training alone", "steps/s", rate)
+            add("training alone", "p99 step ms", 1e3 * statistics.quantiles(times, n=100)[98])
+        path = os.path.join(workdir, f"sync-{rnd}")
+        t = time.perf_counter()
+        bcp.save(path, {"model": state}, io_threads=4)
+        if rnd >= 0:
+            add("synchronous save", "save s", time.perf_counter() - t)
+        disk.remove(path)
+        names = list(starts)
+        for name in names[max(rnd, 0) % len(names):] + names[:max(rnd, 0) % len(names)]:
+            path = os.path.join(workdir, f"{len(results)}-{rnd}")
+            t = time.perf_counter()
+            handle = starts[name](path, state)
+            rate, times = steps_while(lambda: not handle.done(), step)
+            seconds = time.perf_counter() - t
+            if hasattr(handle, "wait"):
+                handle.wait()
+            else:
+                handle.result()
+            if rnd >= 0:
+                add(name, "steps/s", rate)
+                add(name, "p99 step ms", 1e3 * statistics.quantiles(times, n=100)[98] if len(times) > 2 else 0)
+                add(name, "save s", seconds)
+            disk.remove(path)
+    return {"results": results, "state_bytes": state_nbytes(state)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mb", type=float, default=512)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--switch-interval", type=float,
+                        help="the worker's sys.setswitchinterval (Python's default 0.005 s), to diagnose GIL waits")
+    args = parser.parse_args()
+    workdir = tempfile.mkdtemp(prefix="bcp-async-lane-")
+    load_before = os.getloadavg()[0]
+    try:
+        out = launch(run, 1, {"size_bytes": int(args.size_mb * (1 << 20)), "rounds": args.rounds,
+                              "workdir": workdir, "switch_interval": args.switch_interval}, timeout_s=1800)
+    finally:
+        disk.remove(workdir)
+    results = out["results"]
+    alone = statistics.median(results["training alone"]["steps/s"])
+    sync = statistics.median(results["synchronous save"]["save s"])
+    print(f"state {out['state_bytes'] / 1e6:.0f} MB, {args.rounds} rounds, switch interval "
+          f"{args.switch_interval or sys.getswitchinterval()} s, load average before {load_before:.1f}, "
+          f"after {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print(f"training alone: {alone:.0f} steps/s, p99 step "
+          f"{statistics.median(results['training alone']['p99 step ms']):.1f} ms; synchronous save {sync:.2f} s")
+    print("| lane | steps/s during the save | vs alone | p99 step ms | call to committed s | vs synchronous save |")
+    print("|---|---|---|---|---|---|")
+    for name, figures in results.items():
+        if name in ("training alone", "synchronous save"):
+            continue
+        rate, seconds = statistics.median(figures["steps/s"]), statistics.median(figures["save s"])
+        print(f"| {name} | {rate:.0f} | {rate / alone:.2f}x | {statistics.median(figures['p99 step ms']):.1f} | "
+              f"{seconds:.2f} | {seconds / sync:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Where one rank's time and bytes went in a save or a load, phase by phase."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+
+@dataclass
+class PhaseStats:
+    """Seconds per phase and bytes moved on this rank (save: collect, plan, stage, write, commit;
+    load: metadata, plan, read, apply)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    #: Bytes written (save) or read from storage (load) by this rank.
+    bytes: int = 0
+    #: Load with ``read_once``: bytes this rank received from other ranks instead of reading them.
+    received_bytes: int = 0
+    #: Each phase as run: (name, start, end) in seconds since the epoch, for timelines across ranks.
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+    #: The phase that was running when the operation failed (the first one an error escaped from).
+    failed_phase: str | None = None
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        wall, start = time.time(), time.perf_counter()
+        try:
+            yield
+        except BaseException:
+            self.failed_phase = self.failed_phase or name
+            raise
+        finally:
+            elapsed = time.perf_counter() - start
+            self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
+            self.spans.append((name, wall, wall + elapsed))

@@ -1,0 +1,184 @@
+"""The jobs of the fresh-process tier: each is what a rank of a training script does around a
+checkpoint, ending the way such scripts end. They run in processes forked by ``zygote.py``."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import bcp
+
+
+def _join(timeout_s: float = 30.0) -> tuple[int, int]:
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _trained_state(world: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 7))
+    if world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 32)).sum().backward()
+    optimizer.step()
+    return {"model": model, "optimizer": optimizer, "extra_state": {"step": 1}}
+
+
+def _leave(how: str, destroy: bool) -> None:
+    if destroy:
+        dist.destroy_process_group()
+    if how == "exit":
+        sys.exit(0)
+    if how == "raise":
+        raise RuntimeError("the training script failed after its checkpoint")
+
+
+def save_then_leave(path: str, mode: str = "sync", how: str = "return", destroy: bool = True) -> None:
+    """A save (``sync``, ``async`` left pending, ``async-wait``), then the script ends ``how``."""
+    _, world = _join()
+    state = _trained_state(world)
+    if mode == "sync":
+        bcp.save(path, state)
+    else:
+        handle = bcp.save(path, state, async_save=True)
+        if mode == "async-wait":
+            handle.wait()
+    _leave(how, destroy)
+
+
+def load_then_leave(path: str, how: str = "return", destroy: bool = True) -> None:
+    """A load (resharded when the world differs from the saving one), then the script ends."""
+    _, world = _join()
+    state = _trained_state(world)
+    bcp.load(path, state)
+    _leave(how, destroy)
+
+
+def grpc_save_load_then_leave(path: str) -> None:
+    """A save and a load through the gRPC coordinator, then a plain return (no destroy)."""
+    _, world = _join()
+    state = _trained_state(world)
+    bcp.save(path, state, coordinator="grpc")
+    bcp.load(path, state, coordinator="grpc")
+
+
+class SlowDisk(bcp.LocalStorage):
+    """A local disk that takes ``seconds`` per chunk written: a save still running when a test acts."""
+
+    def __init__(self, root: str, seconds: float) -> None:
+        super().__init__(root)
+        self.seconds = seconds
+
+    def write_file(self, name, chunks):
+        def slowly():
+            for chunk in chunks:
+                time.sleep(self.seconds)
+                yield chunk
+
+        super().write_file(name, slowly())
+
+
+def interrupted_twice_during_async_save(path: str) -> None:
+    """A user's Ctrl-C during an asynchronous save (the first interrupts training, the process then
+    waits for the save at exit), and a second Ctrl-C while it waits."""
+    _, world = _join()
+    state = _trained_state(world)
+    bcp.save(path, state)  # the previous, committed checkpoint
+    bcp.save(SlowDisk(path, 1.0), state, async_save=True)
+    threading.Thread(target=_interrupt_after, args=(1.5,), daemon=True).start()
+    os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C
+    time.sleep(30)  # never reached: the KeyboardInterrupt ends the script
+
+
+def _interrupt_after(seconds: float) -> None:
+    time.sleep(seconds)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def only_rank_zero_saves(path: str, warn_after: float, timeout: float) -> None:
+    """The classic mistake: ``if rank == 0: bcp.save(...)``."""
+    rank, world = _join()
+    state = _trained_state(world)
+    coordinator = bcp.TorchCoordinator(timeout=timeout, warn_after=warn_after)
+    if rank == 0:
+        bcp.save(path, state, coordinator=coordinator)
+    else:
+        time.sleep(timeout + 6)  # rank 1 goes on training, never calling bcp, while rank 0 times out
+
+
+def store_host_dies(when: str, timeout: float) -> None:
+    """Rank 0 hosts the rendezvous store; it dies (SIGKILL) ``before`` its side group is set up or
+    ``during`` the setup, while the survivor builds the coordinator with a short timeout."""
+    rank, world = _join(timeout_s=timeout)
+    dist.barrier()  # both ranks are in the job
+    if rank == 0:
+        if when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.ProcessGroupGloo = _dying_gloo  # dies inside the setup, after taking its place in the store
+    started = time.monotonic()
+    try:
+        bcp.TorchCoordinator(timeout=timeout)
+    except bcp.DistributedError as exc:
+        print(f"raised after {time.monotonic() - started:.1f}s: {exc}", flush=True)
+        raise SystemExit(3) from None
+    raise AssertionError("the coordinator was built without rank 0")
+
+
+def _dying_gloo(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def resources() -> tuple[int, int]:
+    """(threads, open file descriptors) of this process."""
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def cycles_then_count(path: str, cycles: int, use_bcp: bool, settle_s: float) -> None:
+    """A job that re-creates its process groups (elastic restarts, Megatron's re-initialization):
+    each cycle creates a group, saves through it (sync, async waited, async left pending), destroys
+    it and loads; then the world is destroyed too. Prints the threads and file descriptors left,
+    to compare with the same job that never calls bcp (torch keeps a few of its own)."""
+    _, world = _join()
+    state = _trained_state(world)
+    for cycle in range(cycles):
+        group = dist.new_group(list(range(world)))
+        if use_bcp:
+            coordinator = bcp.TorchCoordinator(group)
+            bcp.save(path, state, coordinator=coordinator)
+            bcp.save(path, state, coordinator=coordinator, async_save=True).wait()
+            bcp.save(path, state, coordinator=coordinator, async_save=True)  # destroy_process_group finishes it
+        dist.destroy_process_group(group)
+        if use_bcp:
+            assert bcp.load(path, state, coordinator=bcp.SingleProcessCoordinator()).generation == 3 * (cycle + 1)
+    dist.destroy_process_group()
+    time.sleep(settle_s)  # threads told to stop (bcp's, torch's) finish leaving
+    print(f"left: {resources()[1]} {_thread_names()!r}", flush=True)
+
+
+def _thread_names() -> list[str]:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except FileNotFoundError:  # a thread that ended while we looked
+            pass
+    return sorted(names)
+
+
+def _plain_state() -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 7))
+    return {"model": model, "extra_state": None}

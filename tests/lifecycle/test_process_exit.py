@@ -1,0 +1,130 @@
+"""Every rank of a job that checkpoints with bcp exits the way its script says, whatever bcp did:
+code 0 after a normal return or ``sys.exit(0)``, the script's own error otherwise, never a signal.
+
+The rank pools cannot see this (their workers never exit between cases). Here each job's ranks are
+fresh processes forked by a zygote (``zygote.py``) that run one job and leave through the
+interpreter's normal shutdown; the README demo runs as the user runs it. A gloo group that bcp
+left to the interpreter's final teardown used to abort ranks at exit ("terminate called without an
+active exception", SIGABRT) now and then, so each flow runs several times: a job that fails one
+time in ten fails this tier almost surely.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import bcp
+from zygote import Zygote
+
+REPEATS = 2
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    z = Zygote()
+    yield z
+    z.close()
+
+
+def _expect(result, codes: list[int | None], signals: list[int | None] | None = None) -> None:
+    got = [(r.code, r.signal) for r in result.ranks]
+    want = list(zip(codes, signals or [None] * len(codes)))
+    assert not result.timed_out and got == want, f"wanted {want}, got {got}:\n{result.describe()}"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "async-wait"])
+def test_a_save_then_any_ending_exits_as_the_script_says(zygote, tmp_path, mode):
+    path = str(tmp_path / "ckpt")
+    for repeat in range(REPEATS):
+        for how, code in (("return", 0), ("exit", 0), ("raise", 1)):
+            for destroy in (True, False):
+                result = zygote.run("lifecycle_jobs:save_then_leave", 2, path, mode, how, destroy)
+                _expect(result, [code, code])
+                if how == "raise":
+                    assert all("the training script failed" in r.output for r in result.ranks)
+    # Every asynchronous save left pending at exit was committed before the process ended.
+    assert bcp.load(path, {"extra_state": None}).generation == REPEATS * 6
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_resharding_load_then_exit(zygote, tmp_path, world):
+    path = str(tmp_path / "ckpt")
+    _expect(zygote.run("lifecycle_jobs:save_then_leave", 2, path), [0, 0])
+    for repeat in range(REPEATS * 2):
+        _expect(zygote.run("lifecycle_jobs:load_then_leave", world, path, "return", repeat % 2 == 0),
+                [0] * world)
+
+
+def test_the_grpc_coordinator_then_exit(zygote, tmp_path):
+    for repeat in range(REPEATS):
+        _expect(zygote.run("lifecycle_jobs:grpc_save_load_then_leave", 2, str(tmp_path / f"c{repeat}")), [0, 0])
+
+
+def test_no_thread_or_descriptor_outlives_destroy_process_group(zygote, tmp_path):
+    """Cycles of a group created, saved through (sync, async, async left pending), destroyed and
+    loaded, then the world destroyed. After 20 cycles the process holds what it holds after one (no
+    growth), and exactly the gloo threads and file descriptors of the same job without bcp (bcp's
+    gloo groups and background threads used to stay until a later lookup or the interpreter's
+    teardown)."""
+    def left(cycles: int, use_bcp: bool) -> list[tuple[int, list[str]]]:
+        result = zygote.run("lifecycle_jobs:cycles_then_count", 2, str(tmp_path / f"c{cycles}"), cycles, use_bcp,
+                            2.0, timeout=240)
+        _expect(result, [0, 0])
+        return [re.search(r"left: .*", rank.output).group(0) for rank in result.ranks]
+
+    with_bcp = left(20, use_bcp=True)
+    assert with_bcp == left(1, use_bcp=True)
+    assert with_bcp == left(20, use_bcp=False)
+
+
+def test_a_second_ctrl_c_abandons_the_pending_save_and_removes_it(zygote, tmp_path):
+    path = str(tmp_path / "ckpt")
+    result = zygote.run("lifecycle_jobs:interrupted_twice_during_async_save", 2, path, timeout=60)
+    _expect(result, [None, None], [signal.SIGINT, signal.SIGINT])  # Python ends on Ctrl-C by SIGINT
+    for rank in result.ranks:
+        assert "bcp: waiting for 1 asynchronous save(s) to commit" in rank.output, rank.output
+        assert "bcp: abandoned 1 asynchronous save(s)" in rank.output, rank.output
+        assert "their uncommitted files were removed" in rank.output, rank.output
+        assert "runtime.py" not in rank.output, rank.output  # no traceback from bcp's exit hook
+    assert sorted(os.listdir(os.path.join(path, "gen-00000002"))) == ["CLAIM"]
+    model = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 7))
+    assert bcp.load(path, {"model": model, "extra_state": None}).generation == 1
+
+
+def test_a_save_called_on_rank_0_alone_warns_naming_rank_1(zygote, tmp_path):
+    result = zygote.run("lifecycle_jobs:only_rank_zero_saves", 2, str(tmp_path / "ckpt"), 1.0, 4.0, timeout=60)
+    assert result.ranks[0].code == 1 and result.ranks[1].code == 0, result.describe()
+    out = result.ranks[0].output
+    warning = re.search(r"rank 0 has waited 1s in a checkpoint exchange .* for rank\(s\) 1, which have not "
+                        r"reached it: every rank of the group must call bcp.save / bcp.load together", out)
+    assert warning, out
+    assert "DistributedError" in out and out.index(warning.group(0)) < out.index("DistributedError")
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_the_store_host_killed_around_side_group_setup_fails_the_survivor_in_time(zygote, when):
+    timeout = 5.0
+    result = zygote.run("lifecycle_jobs:store_host_dies", 2, when, timeout, timeout=60)
+    _expect(result, [None, 3], [signal.SIGKILL, None])
+    survivor = result.ranks[1].output
+    seconds = float(re.search(r"raised after ([0-9.]+)s", survivor).group(1))
+    assert seconds < timeout + 10, survivor  # the timeout plus the grace for the others' reports
+    assert "setting up checkpoint coordination" in survivor and "rank(s) 0" in survivor, survivor
+
+
+def test_the_readme_demo_exits_zero_on_every_rank(tmp_path):
+    """The README's demo as a user runs it: fresh interpreters spawned by torch.multiprocessing,
+    each rank's exit checked by mp.spawn (a rank killed by a signal fails it)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), str(tmp_path / "ckpt")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "demo OK" in done.stdout, done.stdout + done.stderr
