@@ -26,7 +26,7 @@ def ckpt(tmp_path):
 def test_inspect_describes_entries_layouts_and_sizes(ckpt, capsys):
     assert main(["inspect", ckpt, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["generations"] == [{"generation": 1, "committed": True}]
+    assert summary["generations"] == [{"generation": 1, "committed": True, "created": summary["created"]}]
     assert (summary["format_version"], summary["framework"], summary["world_size"]) == (1, "plain", 1)
     assert summary["components"] == {"model": {"tensors": 6, "values": 1}, "extra_state": {"tensors": 0, "values": 1}}
     rows = {t["name"]: t for t in summary["tensors"]}
@@ -42,7 +42,7 @@ def test_inspect_describes_entries_layouts_and_sizes(ckpt, capsys):
 def test_inspect_filters_and_prints_a_table(ckpt, capsys):
     assert main(["inspect", ckpt, "--filter", "model/*.weight"]) == 0
     out = capsys.readouterr().out
-    assert "generation   1 (all generations: 1 committed)" in out
+    assert "generation   1 (all generations: 1 committed at " in out
     assert "model/grid.weight" in out and "model/positions" not in out and "extra_state  " not in out
     assert capsys.readouterr().err == ""  # no progress output when not on a terminal
 
@@ -130,4 +130,5 @@ def test_summary_of_a_generation_in_progress(ckpt):
     os.makedirs(os.path.join(ckpt, "gen-00000002", "data"))  # a save that is running or died
     summary = summarize(open_checkpoint(ckpt))
     assert summary["generation"] == 1
-    assert summary["generations"] == [{"generation": 1, "committed": True}, {"generation": 2, "committed": False}]
+    assert summary["generations"] == [{"generation": 1, "committed": True, "created": summary["created"]},
+                                      {"generation": 2, "committed": False, "created": None}]

@@ -57,7 +57,7 @@ def test_a_slice_reads_only_the_shards_it_overlaps(saved):
     first_shard = next(s for s in entry.shards if s.box.offsets[0] == 0)
 
     assert torch.equal(checkpoint.read("model/fc1.weight", slice(0, 3)), state["model/fc1.weight"][:3])
-    assert checkpoint.reader.bytes_read == first_shard.bytes.nbytes  # the other shard was not read
+    assert checkpoint.bytes_read == first_shard.bytes.nbytes  # the other shard was not read
 
 
 def test_zero_dim_tensors_and_values(saved):

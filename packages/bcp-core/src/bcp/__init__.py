@@ -10,6 +10,7 @@ from bcp.adapters.distributed_sampler import ResumableDistributedSampler
 from bcp.adapters.token_stream import TokenStreamLoader
 from bcp.api import LoadOptions, LoadResult, PhaseStats, SaveHandle, SaveOptions, load, save, wait_pending_saves
 from bcp.api.runtime import shutdown
+from bcp.api.state_walk import PairedOptimizer
 from bcp.coord import Coordinator, SingleProcessCoordinator, TorchCoordinator
 from bcp.errors import (
     AdapterError,
@@ -32,7 +33,7 @@ from bcp.version import __version__
 
 __all__ = [
     "save", "load", "wait_pending_saves", "shutdown", "remove_entries",
-    "SaveOptions", "LoadOptions", "SaveHandle", "LoadResult", "PhaseStats",
+    "SaveOptions", "LoadOptions", "SaveHandle", "LoadResult", "PhaseStats", "PairedOptimizer",
     "FrameworkAdapter", "register_adapter",
     "Coordinator", "SingleProcessCoordinator", "TorchCoordinator",
     "Storage", "LocalStorage",

@@ -10,7 +10,9 @@ test walks their imports).
   process's runtime (plan cache, buffers, async lane);
 - where checkpoints live (``checkpoint_location(path, role)``: generations and their commit
   state), the storage backend for a path or URL and ``is_url``, the one test of which a path is;
-- adapters: ``initialize_state`` gives a never-stepped optimizer its state before a load;
+- adapters: ``initialize_state`` gives a never-stepped optimizer its state before a load; the
+  core's optimizer value names (``OPTIMIZER_STATE_PREFIX``, ``OPTIMIZER_PARAM_GROUPS``) and
+  ``nested_optimizer_state``/``flat_optimizer_values`` between them and torch's FQN-keyed dicts;
   ``adapter_for`` finds the registered adapter for live objects, by name, as ``bcp.save`` does;
   ``DATALOADER_COMPONENT`` is the state-dict entry ``bcp.save`` treats as per-rank data positions;
 - framework files: a framework's own pickled files in a checkpoint folder, read safely.
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 from bcp.adapters import adapter_for
 from bcp.adapters.dataloader import COMPONENT as DATALOADER_COMPONENT
-from bcp.adapters.optimizer import initialize_state
+from bcp.adapters.optimizer import PARAM_GROUPS as OPTIMIZER_PARAM_GROUPS
+from bcp.adapters.optimizer import STATE as OPTIMIZER_STATE_PREFIX
+from bcp.adapters.optimizer import flat_optimizer_values, initialize_state, nested_optimizer_state
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.location import resolve as checkpoint_location
 from bcp.api.options import DEFAULT_IO_THREADS, LoadOptions, SaveOptions
@@ -49,7 +53,8 @@ __all__ = [
     # where checkpoints live: generations and their commit state; storage backends
     "checkpoint_location", "Storage", "storage_for", "is_url",
     # adapters
-    "initialize_state", "adapter_for", "DATALOADER_COMPONENT",
+    "initialize_state", "adapter_for", "DATALOADER_COMPONENT", "OPTIMIZER_STATE_PREFIX", "OPTIMIZER_PARAM_GROUPS",
+    "nested_optimizer_state", "flat_optimizer_values",
     # frameworks' own pickled files in a checkpoint folder, read safely
     "refusing_pickled_code",
 ]

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 import bcp
 from bcp.integration import default_coordinator
 from bcp_lightning import convert, loader_states, options, paths, torch_files
-from bcp_lightning.options import DEFAULT_IO_THREADS, Options
+from bcp_lightning.options import DEFAULT_IO_THREADS, DEFAULT_KEEP_GENERATIONS, Options
 from bcp_lightning.pending import PendingSaves
 
 
@@ -38,10 +38,12 @@ class CheckpointIOMixin:
     """
 
     def __init__(self, *, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
-                 verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS) -> None:
+                 verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS,
+                 keep_generations: int = DEFAULT_KEEP_GENERATIONS) -> None:
         super().__init__()
         self.options = Options.of(async_save=async_save, allow_pickle=allow_pickle, verify=verify,
-                                  verify_replicas=verify_replicas, io_threads=io_threads)
+                                  verify_replicas=verify_replicas, io_threads=io_threads,
+                                  keep_generations=keep_generations)
         self._pending = PendingSaves()
 
     # Lightning's CheckpointIO interface.

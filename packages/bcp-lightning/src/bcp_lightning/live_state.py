@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from bcp.integration import adapter_for
+from bcp.integration import adapter_for, flat_optimizer_values, nested_optimizer_state
 
 
 class LiveState(Protocol):
@@ -58,38 +58,18 @@ class FSDP1Shards:
         return _fsdp1(model).model_state(model)
 
     def optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, for_load: bool) -> dict[str, Any]:
-        return _nested(_fsdp1(model).optimizer_state(model, optimizer, for_load=for_load))
+        return nested_optimizer_state(_fsdp1(model).optimizer_state(model, optimizer, for_load=for_load))
 
     def load_model(self, model: torch.nn.Module, state: dict[str, Any], *, strict: bool) -> None:
         """Nothing to do: the flat shards alias the flat parameters, buffers are the live ones."""
 
     def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        _fsdp1(model).load_optimizer_state(model, optimizer, _flat(state))
+        _fsdp1(model).load_optimizer_state(model, optimizer, flat_optimizer_values(state))
 
 
 TORCH_STATE_DICTS: LiveState = TorchStateDicts()
 FSDP1_SHARDS: LiveState = FSDP1Shards()
 
-# The core's adapters name optimizer values "state/<param fqn>/<key>" and "param_groups"; torch's
-# FQN-keyed optimizer state dicts nest them: {"state": {fqn: {key: value}}, "param_groups": [...]}.
-_STATE = "state/"
-_PARAM_GROUPS = "param_groups"
-
 
 def _fsdp1(model: torch.nn.Module) -> Any:
     return adapter_for({"model": model}, "fsdp")
-
-
-def _nested(values: dict[str, Any]) -> dict[str, Any]:
-    state: dict[str, dict[str, Any]] = {}
-    for name, value in values.items():
-        if name.startswith(_STATE):
-            fqn, key = name[len(_STATE):].rsplit("/", 1)
-            state.setdefault(fqn, {})[key] = value
-    return {"state": state, "param_groups": values[_PARAM_GROUPS]}
-
-
-def _flat(osd: dict[str, Any]) -> dict[str, Any]:
-    values = {f"{_STATE}{fqn}/{key}": value for fqn, per_param in osd["state"].items() for key, value in per_param.items()}
-    values[_PARAM_GROUPS] = osd["param_groups"]
-    return values

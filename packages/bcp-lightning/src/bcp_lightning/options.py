@@ -10,7 +10,9 @@ from typing import Any, Mapping
 import bcp
 from bcp.integration import DEFAULT_IO_THREADS
 
-__all__ = ["DEFAULT_IO_THREADS", "Options", "STORAGE_OPTION_TYPES", "for_save"]
+__all__ = ["DEFAULT_IO_THREADS", "DEFAULT_KEEP_GENERATIONS", "Options", "STORAGE_OPTION_TYPES", "for_save"]
+
+DEFAULT_KEEP_GENERATIONS = bcp.SaveOptions().keep_generations
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -22,14 +24,18 @@ class Options:
 
     @staticmethod
     def of(*, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
-           verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS) -> "Options":
+           verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS,
+           keep_generations: int = DEFAULT_KEEP_GENERATIONS) -> "Options":
         """``async_save``: return from a save once bcp has staged it in host memory (it commits in
         the background, in call order; pending saves are waited for before a load, before their path
         is removed, at teardown and at exit). ``allow_pickle``: let values outside bcp's safe
         encoding (callbacks' or hyper-parameters' state) be pickled, and such checkpoints loaded.
+        ``keep_generations``: committed generations kept when one checkpoint path is saved again
+        (``last.ckpt``); each costs the checkpoint's size on disk.
         The others as in ``bcp.SaveOptions``/``bcp.LoadOptions``."""
         return Options(save=bcp.SaveOptions(async_save=async_save, allow_pickle=allow_pickle,
-                                            verify_replicas=verify_replicas, io_threads=io_threads),
+                                            verify_replicas=verify_replicas, io_threads=io_threads,
+                                            keep_generations=keep_generations),
                        load=bcp.LoadOptions(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads))
 
 

@@ -14,6 +14,10 @@ class FrameworkAdapter(ABC):
 
     #: The name users pass as ``framework=`` (``"plain"``, ``"ddp"``, ``"fsdp2"``, ``"megatron"``, ...).
     name: str
+    #: Whether ``optimizer_state`` names values as the core does (``state/<param fqn>/<key>``,
+    #: ``param_groups``): a load then restores the optimizer as ``Optimizer.load_state_dict`` does,
+    #: removing the state of parameters the checkpoint holds none for.
+    optimizer_state_by_parameter: bool = False
 
     @abstractmethod
     def detect(self, state: Mapping[str, Any]) -> bool:

@@ -36,6 +36,7 @@ def _join(prefix: str, name: str) -> str:
 
 class FSDP1Adapter(FrameworkAdapter):
     name = "fsdp"
+    optimizer_state_by_parameter = True
 
     def detect(self, state: Mapping[str, Any]) -> bool:
         return bool(_fsdp_modules(state.get("model")))

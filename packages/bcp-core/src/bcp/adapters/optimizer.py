@@ -3,6 +3,9 @@ FQN-keyed dicts of ``torch.distributed.checkpoint.state_dict.get_optimizer_state
 
 Names: ``state/<param fqn>/<state key>`` for per-parameter state (tensors follow the parameter's
 sharding), ``param_groups`` for the groups' hyper-parameters with parameters listed by FQN.
+
+Loaded values go back as ``torch.optim.Optimizer.load_state_dict`` gives them: the state of a
+parameter with no loaded state is removed, hyper-parameters are the saved ones.
 """
 
 from __future__ import annotations
@@ -48,19 +51,43 @@ def _group_names(names: dict[int, str], params: list[Any], group: int) -> list[s
         if id(param) not in names:
             raise AdapterError(
                 f"the optimizer's param group {group} holds a parameter (index {index}, shape "
-                f"{list(param.shape)}, dtype {param.dtype}) that is not a parameter of the model in "
-                "state['model']; give the optimizer the model's parameters, or save the model it belongs to",
+                f"{list(param.shape)}, dtype {param.dtype}) that is not a parameter of the model it is saved with "
+                "(the module of the state holding most of its parameters); save the module it belongs to beside "
+                "it (one optimizer per module), or give the optimizer only that module's parameters",
                 key="optimizer")
     return [names[id(p)] for p in params]
 
 
+def nested_optimizer_state(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Optimizer values as torch's FQN-keyed optimizer state dict:
+    ``{"state": {fqn: {key: value}}, "param_groups": [...]}``."""
+    state: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        if name.startswith(STATE):
+            fqn, key = name[len(STATE):].rsplit("/", 1)
+            state.setdefault(fqn, {})[key] = value
+    return {"state": state, "param_groups": values[PARAM_GROUPS]}
+
+
+def flat_optimizer_values(osd: Mapping[str, Any]) -> dict[str, Any]:
+    """The reverse of :func:`nested_optimizer_state`."""
+    values = {f"{STATE}{fqn}/{key}": value for fqn, per_param in osd["state"].items() for key, value in per_param.items()}
+    values[PARAM_GROUPS] = osd["param_groups"]
+    return values
+
+
 def apply_optimizer_values(model: Any, optimizer: Any, values: dict[str, Any]) -> None:
-    """Set hyper-parameters and non-tensor state; tensors were already filled in place."""
+    """Set hyper-parameters and non-tensor state (tensors were already filled in place), and remove
+    the state of parameters that ``values`` holds none for."""
     if isinstance(optimizer, Mapping):
         _apply_to_dict(optimizer, values)
         return
     names = _param_names(model)
     by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+    loaded = _params_with_state(values)
+    for fqn, param in by_name.items():
+        if fqn not in loaded:
+            optimizer.state.pop(param, None)
     for name, value in values.items():
         if name.startswith(STATE) and not is_tensor_value(value):
             fqn, key = name[len(STATE):].rsplit("/", 1)
@@ -122,7 +149,15 @@ def _dict_values(osd: Mapping[str, Any]) -> dict[str, Any]:
     return values
 
 
+def _params_with_state(values: Mapping[str, Any]) -> set[str]:
+    return {name[len(STATE):].rsplit("/", 1)[0] for name in values if name.startswith(STATE)}
+
+
 def _apply_to_dict(osd: Any, values: dict[str, Any]) -> None:
+    loaded = _params_with_state(values)
+    for original, fqn in [(o, canonical(o)) for o in osd["state"]]:
+        if fqn not in loaded:  # cleared too: the dict may be the live optimizer's own per-parameter state
+            osd["state"].pop(original).clear()
     originals = canonical_map(osd["state"])
     for name, value in values.items():
         if name.startswith(STATE) and not is_tensor_value(value):

@@ -52,6 +52,8 @@ def _is_ddp(model: Any) -> bool:
 class TorchModuleAdapter(FrameworkAdapter):
     """A module's ``state_dict()`` (or a given state dict), keyed by canonical FQN."""
 
+    optimizer_state_by_parameter = True
+
     def __init__(self, name: str, matches: Callable[[Any], bool]) -> None:
         self.name = name
         self._matches = matches

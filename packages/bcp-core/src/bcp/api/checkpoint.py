@@ -22,14 +22,16 @@ from bcp.coord import Coordinator
 from bcp.coord.consensus import Outcome, broadcast_from_root
 from bcp.engine.location import Location, generation_dir
 from bcp.engine.reader import ShardReader
+from bcp.engine.redistribute import read_and_share
 from bcp.errors import CheckpointError, CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError
 from bcp.layout.box import Box
 from bcp.layout.coverage import first_cover_problem
 from bcp.layout.dtypes import dtype_from_name
 from bcp.layout.indexing import box_for_index
 from bcp.layout.manifest import Manifest, ObjectEntry, TensorEntry
+from bcp.layout.shard_table import ByteRange
 from bcp.layout.piece import Piece
-from bcp.layout.read_op import ReadOp
+from bcp.layout.read_op import ReadOp, ReadRole
 from bcp.planning.load_plan import check_meta, plan_reads, staged
 from bcp.storage import Storage
 
@@ -43,7 +45,7 @@ class Checkpoint:
         self.generation = generation
         self.manifest = manifest
         self.io_threads = io_threads
-        self.reader = ShardReader(location, generation, manifest, verify=verify)
+        self._reader = ShardReader(location, generation, manifest, verify=verify)
         self._covered: set[str] = set()
 
     @property
@@ -60,6 +62,25 @@ class Checkpoint:
         """Non-tensor entries (per-rank values) by full name."""
         return self.manifest.objects
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from storage through this checkpoint so far."""
+        return self._reader.bytes_read
+
+    def run_reads(self, ops: list[ReadOp]) -> None:
+        """Run planned reads (:meth:`plan`), filling their destinations, on up to ``io_threads`` threads."""
+        self._reader.run(ops, self.io_threads)
+
+    def run_reads_shared(self, ops: list[ReadOp], roles: list[ReadRole], group: Any) -> int:
+        """Run planned reads under ``roles`` (one per op: read it, or receive it from the rank that
+        does) over the process ``group``; returns the bytes received from other ranks."""
+        return read_and_share(self._reader, ops, roles, group, self.io_threads)
+
+    def read_range(self, where: ByteRange, start: int, dest: memoryview, key: str) -> None:
+        """Read ``dest.nbytes`` bytes from ``start`` of the stored range ``where`` (checked against
+        its checksums when verifying)."""
+        self._reader.read_range(where, start, dest, key)
+
     def generations(self) -> list[tuple[int, bool]]:
         """Every generation under the path with its commit state, oldest first."""
         return [(g, self.location.is_committed(g)) for g in self.location.generations()]
@@ -75,7 +96,7 @@ class Checkpoint:
         saved one (which ``check_meta`` allows with ``cast_dtype``) is read in the saved dtype and
         converted."""
         reads, pairs = staged(self.manifest, pieces, every=False)
-        self.reader.run(self.plan(reads), self.io_threads)
+        self._reader.run(self.plan(reads), self.io_threads)
         for piece, staging in pairs:
             piece.tensor.copy_(staging)
 
@@ -107,7 +128,7 @@ class Checkpoint:
         if not 0 <= rank < len(entry.ranks) or entry.ranks[rank] < 0:
             saved = [r for r, record in enumerate(entry.ranks) if record >= 0]
             raise CheckpointError(f"rank {rank} saved no value {name!r}; ranks that did: {saved}", path=self.path)
-        return self.reader.read_object(entry, rank, allow_pickle=allow_pickle)
+        return self._reader.read_object(entry, rank, allow_pickle=allow_pickle)
 
     def read_objects(self, sources: dict[str, int], *, allow_pickle: bool = False) -> dict[str, Any]:
         """Each value ``name`` as saved by rank ``sources[name]``, read concurrently on up to
@@ -130,7 +151,7 @@ class Checkpoint:
             where = entry.records[record][0] if record >= 0 else None
             if where is not None:
                 seen.setdefault((where.nbytes, where.crcs), rank)
-        return [self.reader.read_object(entry, rank, allow_pickle=allow_pickle) for rank in seen.values()]
+        return [self._reader.read_object(entry, rank, allow_pickle=allow_pickle) for rank in seen.values()]
 
     def value_source(self, name: str, rank: int | None = None) -> int:
         """Whose saved value ``name`` rank ``rank`` receives: its own, else the first rank's that
@@ -217,8 +238,9 @@ def _manifest_files(location: Location, generation: int | None) -> list[Any]:
 
 def _committed(location: Location, generation: int) -> int:
     if generation not in location.generations():
-        raise CheckpointNotFoundError(f"there is no {generation_dir(generation)} (generations: "
-                                      f"{location.generations()})", path=location.display)
+        kept = [g for g in location.generations() if location.is_committed(g)]
+        raise CheckpointNotFoundError(f"there is no generation {generation} ({generation_dir(generation)}); the "
+                                      f"committed generations kept are {kept}", path=location.display)
     if not location.is_committed(generation):
         raise CheckpointNotCommittedError(f"{generation_dir(generation)} was never committed", path=location.display)
     return generation

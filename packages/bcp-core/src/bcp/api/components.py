@@ -1,34 +1,34 @@
-"""The components of a ``state`` dict and how each is saved and restored.
+"""The values of a state and how each goes back after a load.
 
-``model`` and ``optimizer`` go through the framework adapter and are resharded; ``dataloader``
-holding a :class:`DataloaderState` is saved as replicated and sharded parts and redistributed when
-the DP size changes; every other key is a per-rank value (an object with
-``state_dict``/``load_state_dict``, or a plain value).
+:func:`collect` names every value of the parts :mod:`bcp.api.state_walk` finds: ``<path>/<fqn>`` for
+a module's tensors (through its adapter), ``<path>/state/<param fqn>/<key>`` and
+``<path>/param_groups`` for an optimizer's (through the adapter of the module that owns its
+parameters), ``<path>`` for a sharded tensor and for a per-rank value, ``dataloader/<part>`` for a
+dataloader's parts. ``{"model": m, "optimizer": o}`` keeps the names it always had.
+
+An optimizer is restored as ``torch.optim.Optimizer.load_state_dict`` restores it: a parameter the
+checkpoint holds no state for has none after the load (its live state is removed, not reported
+missing); a parameter with part of its state saved is a mismatch like any missing tensor.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping
 
 import torch
+from torch import nn
 
+from bcp.adapters import adapter_for
 from bcp.adapters.base import FrameworkAdapter
 from bcp.adapters.dataloader import COMPONENT as DATALOADER
 from bcp.adapters.dataloader import DataloaderState
-from bcp.errors import CheckpointError, MismatchError
+from bcp.adapters.optimizer import PARAM_GROUPS, STATE
+from bcp.api.state_walk import MODEL, OPTIMIZER, Leaf, ModuleComponent, OptimizerComponent, StateParts, Stateful, walk
+from bcp.errors import AdapterError, CheckpointError, MismatchError
 
-MODEL = "model"
-OPTIMIZER = "optimizer"
-RESHARDED = (MODEL, OPTIMIZER)
-#: Per-rank values whose records from every saved rank are loaded together (the adapter resolves
-#: them by parameter name): which parameters a rank holds changes with the layout (pipeline stages).
-MERGED_ACROSS_RANKS = (f"{OPTIMIZER}/param_groups",)
 #: The value of a name a load leaves unread (a dataloader part another DP rank receives).
 SKIP = object()
-
-
-def is_stateful(obj: Any) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 def check_keys(state: Mapping[str, Any]) -> None:
@@ -39,32 +39,226 @@ def check_keys(state: Mapping[str, Any]) -> None:
             raise CheckpointError(f"component names must be non-empty strings without '/': {key!r}")
 
 
-def is_per_rank(name: str) -> bool:
-    """Whether the value ``name`` is one rank's own (not resharded, not a dataloader part; a plain
-    ``dataloader`` value is one rank's own)."""
-    return name.split("/", 1)[0] not in RESHARDED and not name.startswith(f"{DATALOADER}/")
+@dataclass(slots=True)
+class _Bound:
+    """One module part or optimizer with its adapter and the names of its values."""
+
+    obj: Any
+    model: Any
+    adapter: FrameworkAdapter
+    names: set[str] = field(default_factory=set)
 
 
-def collect(state: Mapping[str, Any], adapter: FrameworkAdapter | None, *, for_load: bool,
-            saved: Collection[str] = (), path: str | None = None) -> dict[str, Any]:
-    """Every value to save or fill, by full name: ``model/<fqn>``, ``optimizer/<name>``,
-    ``dataloader/<part>`` and one entry per other component. A load passes the ``saved`` value
-    names: every saved dataloader part is named, with :data:`SKIP` for those this rank does not read."""
-    values: dict[str, Any] = {}
-    model = state.get(MODEL)
-    if MODEL in state:
-        values.update({f"{MODEL}/{k}": v for k, v in adapter.model_state(model).items()})
-    if OPTIMIZER in state:
-        optimizer_values = adapter.optimizer_state(model, state[OPTIMIZER], for_load=for_load)
-        values.update({f"{OPTIMIZER}/{k}": v for k, v in optimizer_values.items()})
-    for key, obj in state.items():
-        if isinstance(obj, DataloaderState):
-            values.update(_dataloader_values(key, obj, for_load, saved, path))
-        elif key not in RESHARDED:
-            values[key] = obj.state_dict() if is_stateful(obj) else obj
+@dataclass(slots=True)
+class StateValues:
+    """Every value of a state by full name, what kind each is, and how loaded ones go back."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    #: Names of tensors saved as boxes and resharded (modules', optimizers', sharded tensors).
+    resharded: set[str] = field(default_factory=set)
+    #: Names of per-rank values (each rank's own).
+    per_rank: set[str] = field(default_factory=set)
+    #: Names whose records from every saved rank are loaded together (optimizers' param groups,
+    #: resolved by parameter name: which parameters a rank holds changes with the layout).
+    merged: set[str] = field(default_factory=set)
+    #: The adapter of the ``model`` component (else of the first module), "none" without modules.
+    framework: str = "none"
+    modules: list[tuple[str, list[_Bound]]] = field(default_factory=list)
+    optimizers: list[tuple[str, list[_Bound]]] = field(default_factory=list)
+    leaves: list[Leaf] = field(default_factory=list)
+    statefuls: list[Stateful] = field(default_factory=list)
+    dataloader: DataloaderState | None = None
+
+    def add(self, name: str, value: Any, kind: set[str] | None = None) -> None:
+        if name in self.values:
+            raise MismatchError("two parts of the state give this name (a list of model parts with a parameter "
+                                "name in common, or two optimizers over one parameter)", key=name)
+        self.values[name] = value
+        if kind is not None:
+            kind.add(name)
+
+    def apply(self, loaded: dict[str, Any]) -> None:
+        """Give loaded values back to the live objects (tensors were already filled in place)."""
+        for path, bound in self.modules:
+            for part in bound:
+                values = _within(path, part.names, loaded)
+                if values:
+                    part.adapter.load_model_state(part.obj, values)
+        for path, bound in self.optimizers:
+            if not any(name in loaded for item in bound for name in item.names):
+                continue  # the optimizer was not loaded (strict=False and not saved): left as it is
+            for item in bound:
+                item.adapter.load_optimizer_state(item.model, item.obj, _within(path, item.names, loaded))
+        if self.dataloader is not None:
+            parts = _within(DATALOADER, {n for n in loaded if n.startswith(f"{DATALOADER}/")}, loaded)
+            if parts:
+                self.dataloader.restore(parts)
+        for leaf in self.leaves:
+            if leaf.path in loaded:
+                leaf.container[leaf.key] = loaded[leaf.path]
+        for stateful in reversed(self.statefuls):  # inner objects before the objects holding them
+            if stateful.walked:
+                if any(name == stateful.path or name.startswith(f"{stateful.path}/") for name in loaded):
+                    stateful.obj.load_state_dict(stateful.tree)
+            elif stateful.path in loaded:
+                stateful.obj.load_state_dict(loaded[stateful.path])
+
+
+def _within(path: str, names: Collection[str], loaded: dict[str, Any]) -> dict[str, Any]:
+    cut = len(path) + 1
+    return {name[cut:]: loaded[name] for name in names if name in loaded}
+
+
+def collect(state: Mapping[str, Any], framework: str | None, *, for_load: bool,
+            saved_tensors: Collection[str] = (), saved_objects: Collection[str] = (),
+            path: str | None = None) -> StateValues:
+    """Every value to save or fill, by full name. A load passes the checkpoint's names: every saved
+    dataloader part is named (with :data:`SKIP` for those this rank does not read), an optimizer's
+    parameters without saved state are left out (their live state is removed by ``apply``), and a
+    module or optimizer that an older save stored as one per-rank value is loaded as one."""
+    parts = walk(state)
+    out = StateValues()
     if for_load:
-        _check_not_meta(values)
-    return values
+        parts = _as_saved(parts, saved_objects)
+    models = {c.path: c for c in parts.modules}
+    for component in parts.modules:
+        out.modules.append((component.path, _module_values(out, component, framework, state)))
+    for component in parts.optimizers:
+        out.optimizers.append((component.path, _optimizer_values(out, component, parts, models, framework, state,
+                                                                 for_load, saved_tensors, saved_objects)))
+    if out.modules:
+        first = next((b for p, b in out.modules if p == MODEL), out.modules[0][1])
+        out.framework = first[0].adapter.name
+    elif out.optimizers:
+        out.framework = out.optimizers[0][1][0].adapter.name
+    for leaf in parts.tensors:
+        out.add(leaf.path, leaf.container[leaf.key], out.resharded)
+    for leaf in parts.values:
+        out.add(leaf.path, leaf.container[leaf.key], out.per_rank)
+    out.leaves = parts.values
+    out.statefuls = parts.statefuls
+    for stateful in parts.statefuls:
+        if not stateful.walked:
+            out.add(stateful.path, stateful.tree, out.per_rank)
+    if parts.dataloader is not None:
+        out.dataloader = parts.dataloader
+        out.values.update(_dataloader_values(parts.dataloader, for_load, saved_objects, path))
+    if for_load:
+        _check_not_meta(out.values)
+    return out
+
+
+def _as_saved(parts: StateParts, saved_objects: Collection[str]) -> StateParts:
+    """A module or optimizer (other than ``model``/``optimizer``) that the checkpoint holds as one
+    per-rank value (its ``state_dict()``, as saves did before every module was resharded) is loaded
+    from that value."""
+    old = set(saved_objects)
+    for component in [*parts.modules, *parts.optimizers]:
+        objects = component.parts if isinstance(component, ModuleComponent) else component.items
+        if component.path not in (MODEL, OPTIMIZER) and component.path in old and len(objects) == 1:
+            parts.statefuls.append(Stateful(component.path, objects[0], None, False))
+    parts.modules = [c for c in parts.modules if not any(s.path == c.path for s in parts.statefuls)]
+    parts.optimizers = [c for c in parts.optimizers if not any(s.path == c.path for s in parts.statefuls)]
+    return parts
+
+
+def _adapter(model: Any, optimizer: Any, framework: str | None, path: str) -> FrameworkAdapter:
+    live = {MODEL: model} if optimizer is None else {MODEL: model, OPTIMIZER: optimizer}
+    try:
+        return adapter_for(live, framework)
+    except CheckpointError as exc:
+        exc.key = exc.key or path
+        exc.args = (exc._formatted(),)
+        raise
+
+
+def _module_values(out: StateValues, component: ModuleComponent, framework: str | None,
+                   state: Mapping[str, Any]) -> list[_Bound]:
+    chosen = framework if component.path == MODEL else None
+    bound = []
+    for part in component.parts:
+        optimizer = state.get(OPTIMIZER) if component.path == MODEL and isinstance(part, Mapping) else None
+        adapter = _adapter(part, optimizer, chosen, component.path)
+        item = _Bound(part, part, adapter)
+        for key, value in adapter.model_state(part).items():
+            out.add(f"{component.path}/{key}", value, out.resharded)
+            item.names.add(f"{component.path}/{key}")
+        bound.append(item)
+    return bound
+
+
+def _optimizer_values(out: StateValues, component: OptimizerComponent, parts: StateParts,
+                      models: dict[str, ModuleComponent], framework: str | None, state: Mapping[str, Any],
+                      for_load: bool, saved_tensors: Collection[str], saved_objects: Collection[str]) -> list[_Bound]:
+    prefix = f"{component.path}/"
+    groups: list[Any] = []
+    bound = []
+    for optimizer, explicit in zip(component.items, component.explicit):
+        if isinstance(optimizer, Mapping):  # an FQN-keyed state dict: the adapter of state["model"]
+            model = state.get(MODEL)
+            model = model[0] if isinstance(model, list) and model else model
+            adapter = _adapter(model, optimizer, framework, component.path)
+        else:
+            model = explicit if explicit is not None else _owner(optimizer, parts.modules, component.path)
+            adapter = _adapter(model, None, framework if model is _model_of(models) else None, component.path)
+        item = _Bound(optimizer, model, adapter)
+        values = adapter.optimizer_state(model, optimizer, for_load=for_load)
+        if for_load and adapter.optimizer_state_by_parameter:
+            values = _without_unsaved_parameters(values, prefix, saved_tensors, saved_objects)
+        for key, value in values.items():
+            if key == PARAM_GROUPS and adapter.optimizer_state_by_parameter:
+                groups.extend(value)
+                continue
+            out.add(prefix + key, value, out.resharded)
+            item.names.add(prefix + key)
+        bound.append(item)
+    if any(item.adapter.optimizer_state_by_parameter for item in bound):
+        out.add(prefix + PARAM_GROUPS, groups, out.merged)
+        for item in bound:
+            item.names.add(prefix + PARAM_GROUPS)
+    return bound
+
+
+def _model_of(models: dict[str, ModuleComponent]) -> Any:
+    component = models.get(MODEL)
+    return component.parts[0] if component is not None and len(component.parts) == 1 else None
+
+
+def _owner(optimizer: torch.optim.Optimizer, modules: list[ModuleComponent], path: str) -> nn.Module:
+    """The one module of the state that holds every parameter ``optimizer`` updates; where none
+    does, the one holding most of them (the adapter then names the parameters it lacks)."""
+    wanted = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    held: list[tuple[str, nn.Module, int]] = []
+    for component in modules:
+        for index, part in enumerate(component.parts):
+            if isinstance(part, nn.Module):
+                ids = {id(p) for p in part.parameters()}
+                where = component.path if len(component.parts) == 1 else f"{component.path}/{index}"
+                held.append((where, part, sum(i in ids for i in wanted)))
+    holders = [(where, part) for where, part, count in held if count == len(wanted)]
+    if len(holders) > 1:
+        raise AdapterError(
+            f"the optimizer at {path!r} updates parameters held by several modules of the state "
+            f"({[where for where, _ in holders]}); name the one that owns them: "
+            "bcp.PairedOptimizer(optimizer, module)", key=path)
+    best = max(held, key=lambda h: h[2], default=None)
+    if best is None or best[2] == 0:
+        raise AdapterError(
+            f"the optimizer at {path!r} updates parameters that no module of the state holds (modules: "
+            f"{[where for where, _, _ in held]}); save the module it updates beside it, or pass "
+            "bcp.PairedOptimizer(optimizer, module)", key=path)
+    return best[1]
+
+
+def _without_unsaved_parameters(values: dict[str, Any], prefix: str, saved_tensors: Collection[str],
+                                saved_objects: Collection[str]) -> dict[str, Any]:
+    """Per-parameter state of parameters the checkpoint holds no state for is not wanted: the load
+    removes it, as ``Optimizer.load_state_dict`` replaces the state with the saved one."""
+    saved_state = f"{prefix}{STATE}"
+    params = {name[len(saved_state):].rsplit("/", 1)[0]
+              for names in (saved_tensors, saved_objects) for name in names if name.startswith(saved_state)}
+    return {key: value for key, value in values.items()
+            if not key.startswith(STATE) or key[len(STATE):].rsplit("/", 1)[0] in params}
 
 
 def _check_not_meta(values: dict[str, Any]) -> None:
@@ -83,34 +277,10 @@ def _tensors_of(value: Any) -> list[torch.Tensor]:
     return [s.tensor for s in shards if isinstance(getattr(s, "tensor", None), torch.Tensor)]
 
 
-def _dataloader_values(key: str, loader: DataloaderState, for_load: bool, saved: Collection[str],
+def _dataloader_values(loader: DataloaderState, for_load: bool, saved: Collection[str],
                        path: str | None) -> dict[str, Any]:
-    if key != DATALOADER:
-        raise CheckpointError(f"a DataloaderState belongs under the {DATALOADER!r} key, not {key!r}")
     if not for_load:
-        return {f"{key}/{name}": value for name, value in loader.saved_values().items()}
-    prefix = f"{key}/"
+        return {f"{DATALOADER}/{name}": value for name, value in loader.saved_values().items()}
+    prefix = f"{DATALOADER}/"
     names = [name[len(prefix):] for name in saved if name.startswith(prefix)]
     return {prefix + name: loader if read else SKIP for name, read in loader.wanted(names, path).items()}
-
-
-def apply(state: dict[str, Any], adapter: FrameworkAdapter | None, loaded: dict[str, Any]) -> None:
-    """Give loaded values back to the live objects (tensors were already filled in place)."""
-    model = state.get(MODEL)
-    by_component: dict[str, dict[str, Any]] = {}
-    for name, value in loaded.items():
-        component, _, rest = name.partition("/")
-        by_component.setdefault(component, {})[rest] = value
-    if MODEL in by_component:
-        adapter.load_model_state(model, by_component[MODEL])
-    if OPTIMIZER in by_component:
-        adapter.load_optimizer_state(model, state[OPTIMIZER], by_component[OPTIMIZER])
-    for key in list(state):
-        if isinstance(state[key], DataloaderState) and key in by_component:
-            state[key].restore(by_component[key])
-        if key in RESHARDED or key not in loaded:
-            continue
-        if is_stateful(state[key]):
-            state[key].load_state_dict(loaded[key])
-        else:
-            state[key] = loaded[key]

@@ -13,20 +13,18 @@ from typing import Any
 
 import torch
 
-from bcp.adapters import adapter_for
-from bcp.adapters.base import FrameworkAdapter
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
-from bcp.api.components import MERGED_ACROSS_RANKS, RESHARDED, SKIP, apply, check_keys, collect, is_per_rank
+from bcp.api.components import SKIP, StateValues, check_keys, collect
 from bcp.api.gc_pause import paused_gc
 from bcp.api.metrics import Monitor
 from bcp.api.names import NameMatch, listing, match_names, unexpected_across_ranks
 from bcp.api.options import LoadOptions
+from bcp.api.per_rank import warn_world_change, world_change
 from bcp.api.results import LoadResult, PhaseStats
 from bcp.api.runtime import runtime
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
 from bcp.engine.load_staging import Staging
-from bcp.engine.redistribute import read_and_share
 from bcp.errors import CheckpointError, MismatchError
 from bcp.layout.piece import Piece
 from bcp.layout.read_op import ReadOp, ReadRequest, ReadRole
@@ -39,7 +37,8 @@ from bcp.storage import Storage
 @paused_gc()  # a load of thousands of tensors builds a few records per tensor, none in cycles
 def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: LoadOptions | None = None,
          **keywords: Any) -> LoadResult:
-    """Load the newest committed checkpoint at ``path`` into ``state`` (in place).
+    """Load the newest committed checkpoint at ``path`` (or the kept ``generation``) into ``state``
+    (in place).
 
     Model and optimizer are resharded into the layout they have now. ``options``
     (:class:`LoadOptions`), or its fields as keywords: with ``strict``, every requested entry must be
@@ -49,6 +48,7 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
     replicas) are read from storage by one of them and sent to the others over the process group;
     ``transactional`` (default) leaves the live state untouched when the load fails; with
     ``cast_dtype``, a tensor saved in another dtype than the live one is converted instead of refused;
+    ``generation`` loads an older kept generation;
     ``framework``, ``role``, ``coordinator``, ``allow_pickle``, ``io_threads``.
     """
     options = (options or LoadOptions()).merged(keywords)
@@ -69,8 +69,8 @@ def _load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: L
     stats = monitor.stats
     monitor.begin(path)
     with stats.phase("metadata"):
-        checkpoint = open_checkpoint(path, role=options.role, verify=options.verify, io_threads=options.io_threads,
-                                     coordinator=coord)
+        checkpoint = open_checkpoint(path, role=options.role, generation=options.generation, verify=options.verify,
+                                     io_threads=options.io_threads, coordinator=coord)
     monitor.location, monitor.generation = checkpoint.location, checkpoint.generation
     manifest = checkpoint.manifest
     result = LoadResult(checkpoint.path, checkpoint.generation, manifest.world_size, manifest.framework,
@@ -81,10 +81,10 @@ def _load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: L
         planned.error.at(checkpoint.path)
     roles = _read_once_roles(coord, planned, checkpoint) if options.read_once else None
     read = Outcome.of(lambda: _read(planned, checkpoint, roles, coord, result, options.allow_pickle))
-    stats.bytes = checkpoint.reader.bytes_read
+    stats.bytes = checkpoint.bytes_read
     _agree_on_reading(coord, planned, read, checkpoint, result, options.strict)
     with stats.phase("apply"):
-        applied = Outcome.of(lambda: _apply(state, planned.value, read.value))
+        applied = Outcome.of(lambda: _apply(planned.value, read.value))
     if planned.error is None:  # the staging buffers serve the next load, whatever happened to this one
         planned.value.staging.release()
     # every rank's metrics record travels on the final agreement: monitoring adds no exchange
@@ -101,7 +101,7 @@ class _Plan:
     """What the live state wants: its values by name, the reads that fill its tensors, and the names
     of the values to decode."""
 
-    adapter: FrameworkAdapter | None
+    state: StateValues
     wanted: dict[str, Any]
     names: NameMatch
     ops: list[ReadOp] = field(default_factory=list)
@@ -113,9 +113,9 @@ class _Plan:
 
 def _plan(state: dict[str, Any], checkpoint: Checkpoint, result: LoadResult, options: LoadOptions) -> _Plan:
     manifest = checkpoint.manifest
-    adapter = adapter_for(state, options.framework) if any(k in state for k in RESHARDED) else None
-    wanted = collect(state, adapter, for_load=True, saved=checkpoint.objects, path=result.path)
-    plan = _Plan(adapter, wanted, match_names(wanted, checkpoint, options.strict))
+    live = collect(state, options.framework, for_load=True, saved_tensors=checkpoint.tensors,
+                   saved_objects=checkpoint.objects, path=result.path)
+    plan = _Plan(live, live.values, match_names(live.values, checkpoint, options.strict))
     result.loaded, result.missing = plan.names.loaded, plan.names.missing
     pieces: list[Piece] = []
     for name in result.loaded:
@@ -155,21 +155,25 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
     plan: _Plan = planned.value
     with result.stats.phase("read"):
         if roles is None:
-            checkpoint.reader.run(plan.ops, checkpoint.io_threads)
+            checkpoint.run_reads(plan.ops)
         else:
-            result.stats.received_bytes = read_and_share(checkpoint.reader, plan.ops, roles, coord.process_group(),
-                                                         checkpoint.io_threads)
+            result.stats.received_bytes = checkpoint.run_reads_shared(plan.ops, roles, coord.process_group())
         loaded = {name: plan.wanted[name] for name in result.loaded if name in checkpoint.tensors}
         sources: dict[str, int] = {}
         for name in plan.values:
-            if name in MERGED_ACROSS_RANKS:
+            if name in plan.state.merged:
                 merged = checkpoint.distinct_values(name, allow_pickle=allow_pickle)
                 loaded[name] = [item for value in merged for item in value]
                 continue
             sources[name] = source = checkpoint.value_source(name, coord.rank)
-            if source != coord.rank and is_per_rank(name):
+            if source != coord.rank and name in plan.state.per_rank:
                 result.from_rank0.append(name)
         loaded.update(checkpoint.read_objects(sources, allow_pickle=allow_pickle))
+    result.duplicated, result.dropped = world_change(
+        checkpoint.objects, [name for name in plan.values if name in plan.state.per_rank], coord.world_size)
+    if coord.rank == 0:
+        warn_world_change(checkpoint.path, checkpoint.manifest.world_size, coord.world_size, result.duplicated,
+                          result.dropped)
     return loaded
 
 
@@ -185,8 +189,8 @@ def _agree_on_reading(coord: Coordinator, planned: Outcome, read: Outcome, check
                                 "(pass strict=False to load the overlap)", path=checkpoint.path)
 
 
-def _apply(state: dict[str, Any], plan: _Plan, loaded: dict[str, Any]) -> None:
+def _apply(plan: _Plan, loaded: dict[str, Any]) -> None:
     """Every rank has read and verified everything: place staged bytes into the live tensors, then
     give the values back to the live objects."""
     plan.staging.place([(piece.tensor, staging) for piece, staging in plan.staged])
-    apply(state, plan.adapter, loaded)
+    plan.state.apply(loaded)

@@ -89,3 +89,6 @@ class LoadOptions(_CommonOptions):
     """A saved tensor whose dtype differs from the live tensor's is converted to the live dtype (by
     torch's ``copy_``, through a staging copy in the saved dtype). Off, such a tensor is a
     ``MismatchError`` naming it and both dtypes. For frameworks whose contract casts (Megatron's)."""
+    generation: int | None = None
+    """Load this kept generation (``bcp inspect`` lists them) instead of the newest committed one: a
+    roll back after a loss spike. How many are kept is ``SaveOptions.keep_generations``."""

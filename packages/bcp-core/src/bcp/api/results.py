@@ -58,6 +58,13 @@ class LoadResult:
     #: Per-rank entries this rank did not save itself (it is beyond the saved world size, or saved
     #: none): it received rank 0's value, or the first saving rank's where rank 0 saved none.
     from_rank0: list[str] = field(default_factory=list)
+    #: Per-rank values that, the world size having changed, some loading ranks received from rank 0
+    #: (by name: those ranks); values every saved rank held identical are not listed
+    #: (``docs/resharding.md``, per-rank values).
+    duplicated: dict[str, list[int]] = field(default_factory=dict)
+    #: Per-rank values of saved ranks beyond the loading world size that no rank loaded (by name: the
+    #: saved ranks); values identical to a loaded one are not listed.
+    dropped: dict[str, list[int]] = field(default_factory=dict)
     stats: PhaseStats = field(default_factory=PhaseStats)
     #: On the coordinating rank: every rank's timings, bytes and place in the topology; else None.
     metrics: "OpRecord | None" = None

@@ -13,10 +13,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from bcp.adapters import adapter_for
 from bcp.adapters.dataloader import COMPONENT as DATALOADER
 from bcp.adapters.dataloader import DataloaderState, check_writers
-from bcp.api.components import RESHARDED, check_keys, collect
+from bcp.api.components import check_keys, collect
 from bcp.api.gc_pause import paused_gc
 from bcp.api.location import resolve
 from bcp.api.metrics import Monitor
@@ -43,6 +42,7 @@ from bcp.planning.assembly import assemble_manifest
 from bcp.planning.pieces import pieces_of, tensor_meta
 from bcp.planning.plan_cache import CachedPlan
 from bcp.planning.save_plan import PlanColumns, global_plan, structure_key, writes_of
+from bcp.planning.shared_values import digests, values_to_write
 from bcp.storage import Storage
 from bcp.version import __version__
 
@@ -51,7 +51,8 @@ def save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options:
          **keywords: Any) -> SaveHandle:
     """Save ``state`` (a dict of components) to ``path``; every rank calls it with its own objects.
 
-    ``model``/``optimizer`` are saved resharding-ready; other components are saved per rank.
+    Modules, optimizers and sharded tensors anywhere in the (nested) state are saved
+    resharding-ready; other values are saved per rank (``docs/architecture.md``).
     ``options`` (:class:`SaveOptions`), or its fields as keywords: ``async_save`` returns once the
     state is copied to host memory and the handle's ``wait()`` returns when it is committed (and
     raises if it failed); ``allow_pickle`` lets values outside the safe encoding be pickled (the
@@ -102,13 +103,14 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
     with stats.phase("collect"):
         collected = Outcome.of(lambda: _collect(state, options, location.display))
     with stats.phase("plan"):
-        generation, plan = _agree_on_plan(coord, location, collected, rt, cache=not options.verify_replicas)
+        generation, plan, value_digests = _agree_on_plan(coord, location, collected, rt,
+                                                         cache=not options.verify_replicas)
     monitor.generation = generation
     pieces = writes_of(collected.value.pieces, plan.writes)
     writer = GenerationWriter(location, generation, threads=options.io_threads, background=options.async_save,
                               abandon=rt.background.abandon if options.async_save else None)
     manifest_of = _manifest_builder(generation, collected.value.framework, plan)
-    values = collected.value.values
+    values = values_to_write(coord.rank, collected.value.values, value_digests)
     if not options.async_save:
         write_generation(coord, writer, pieces, values, manifest_of, stats, monitor=monitor)
         return SaveHandle(location.display, generation, stats, monitor=monitor)
@@ -146,20 +148,19 @@ def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> _Coll
 
 
 def _collected(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
-    adapter = adapter_for(state, options.framework) if any(k in state for k in RESHARDED) else None
+    collected = collect(state, options.framework, for_load=False)
     tensors: list[tuple[str, Any, tuple[int, ...]]] = []
     pieces: list[Piece] = []
     values: list[ValueWrite] = []
-    for name, value in collect(state, adapter, for_load=False).items():
-        if name.split("/", 1)[0] in RESHARDED and is_tensor_value(value):
+    for name, value in collected.values.items():
+        if name in collected.resharded and is_tensor_value(value):
             tensors.append((name, *tensor_meta(name, value)))
             pieces.extend(pieces_of(name, value))
         else:
             values.append(ValueWrite.of(name, encode_value(value, key=name, allow_pickle=options.allow_pickle)))
     crcs = [crc_of(byte_view(host_contiguous(p.tensor))) for p in pieces] if options.verify_replicas else None
     loader = state.get(DATALOADER)
-    return _Collected(tensors, pieces, values, crcs, structure_key(tensors, pieces),
-                      adapter.name if adapter else "none",
+    return _Collected(tensors, pieces, values, crcs, structure_key(tensors, pieces), collected.framework,
                       loader.declaration() if isinstance(loader, DataloaderState) else None)
 
 
@@ -167,15 +168,17 @@ def _collected(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
 class _Proposal:
     """A rank's word on the plan: whether its cached plan still fits, (rank 0) the generation, a
     digest of the checkpoint it names and what it declares of its dataloader parts (the last two
-    checked by every rank before anything is written)."""
+    checked by every rank before anything is written), and a digest of each of its per-rank values
+    (identical ones are written once, ``planning.shared_values``)."""
 
     cache_hit: bool
     generation: int | None
     target_digest: int
     dataloader: list[int] | None
+    values: list[list[Any]]
 
     def to_wire(self) -> list[Any]:
-        return [self.cache_hit, self.generation, self.target_digest, self.dataloader]
+        return [self.cache_hit, self.generation, self.target_digest, self.dataloader, self.values]
 
     @staticmethod
     def from_wire(wire: list[Any]) -> "_Proposal":
@@ -183,8 +186,9 @@ class _Proposal:
 
 
 def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, rt: Runtime,
-                   cache: bool) -> tuple[int, CachedPlan]:
-    """The generation to write and this rank's share of the global plan. When every rank's
+                   cache: bool) -> tuple[int, CachedPlan, list[list[list[Any]]]]:
+    """The generation to write, this rank's share of the global plan and every rank's value
+    digests. When every rank's
     structure is unchanged since the previous save, the cached global plan is reused after one
     small exchange (every rank's hit flag, and rank 0's generation, to every rank); otherwise local
     plans are gathered and planned again."""
@@ -197,7 +201,8 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
         if collected.error is not None:
             raise collected.error
         return _Proposal(hit is not None, location.claim_next_generation() if coord.rank == 0 else None,
-                         _digest(location.target), collected.value.dataloader).to_wire()
+                         _digest(location.target), collected.value.dataloader,
+                         digests(collected.value.values)).to_wire()
 
     proposals = [_Proposal.from_wire(wire) for wire in all_agree(coord, Outcome.of(propose), what)]
     try:  # every rank holds every proposal, so every rank raises the same error here
@@ -207,8 +212,9 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
     except CheckpointError as exc:
         raise exc.at(location.display)
     generation = proposals[0].generation
+    value_digests = [proposal.values for proposal in proposals]
     if all(proposal.cache_hit for proposal in proposals):
-        return generation, hit
+        return generation, hit, value_digests
     kept: dict[str, PlanColumns] = {}
 
     def plan_globally(plans: list[Any]) -> list[Any]:
@@ -219,7 +225,7 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
     planned = CachedPlan(structure, RankAssignment.from_wire(share), kept.get("columns"))
     if cache:
         rt.plan_cache.put(key, planned)
-    return generation, planned
+    return generation, planned, value_digests
 
 
 def _digest(target: str) -> int:

@@ -109,6 +109,6 @@ def _copied(checkpoint: Checkpoint, name: str, new_name: str) -> ValueSource:
     records = []
     for where, tree_nbytes in entry.records:
         data = bytearray(where.nbytes)
-        checkpoint.reader.read_range(where, 0, memoryview(data), name)
+        checkpoint.read_range(where, 0, memoryview(data), name)
         records.append((bytes(data), tree_nbytes))
     return ValueSource(new_name, records, list(entry.ranks))

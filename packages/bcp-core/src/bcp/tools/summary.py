@@ -8,7 +8,7 @@ from fnmatch import fnmatchcase
 from typing import Any, Sequence
 
 from bcp.layout.dtypes import dtype_from_name, itemsize
-from bcp.layout.manifest import TensorEntry
+from bcp.layout.manifest import Manifest, TensorEntry
 from bcp.tools.checkpoint import Checkpoint
 from bcp.tools.units import human_bytes
 
@@ -30,7 +30,8 @@ def summarize(checkpoint: Checkpoint, *, filters: Sequence[str] = ()) -> dict[st
     return {
         "path": checkpoint.path,
         "generation": checkpoint.generation,
-        "generations": [{"generation": g, "committed": c} for g, c in checkpoint.generations()],
+        "generations": [{"generation": g, "committed": c, "created": _created(checkpoint, g) if c else None}
+                        for g, c in checkpoint.generations()],
         "format_version": manifest.version,
         "writer": manifest.writer,
         "created": _timestamp(manifest.created_unix),
@@ -50,6 +51,15 @@ def summarize(checkpoint: Checkpoint, *, filters: Sequence[str] = ()) -> dict[st
     }
 
 
+def _created(checkpoint: Checkpoint, generation: int) -> str:
+    """When a kept generation was committed, from its manifest (a loadable one:
+    ``bcp.load(..., generation=N)``)."""
+    if generation == checkpoint.generation:
+        return _timestamp(checkpoint.manifest.created_unix)
+    data, table = checkpoint.location.read_manifest_files(generation)
+    return _timestamp(Manifest.decode(data, table, path=checkpoint.path).created_unix)
+
+
 def layout_of(entry: TensorEntry) -> str:
     """How the tensor was cut when saved: ``whole``, a grid (``dim 0 / 2``), or irregular boxes."""
     boxes = [s.box for s in entry.shards]
@@ -67,7 +77,7 @@ def layout_of(entry: TensorEntry) -> str:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as text for a terminal."""
-    states = ", ".join(f"{g['generation']} {'committed' if g['committed'] else 'NOT committed'}"
+    states = ", ".join(f"{g['generation']} {'committed at ' + g['created'] if g['committed'] else 'NOT committed'}"
                        for g in summary["generations"])
     lines = [
         f"checkpoint   {summary['path']}",

@@ -125,7 +125,7 @@ class _Verifier:
         try:
             for start in range(0, where.nbytes, block):
                 view = buffer[: min(block, where.nbytes - start)]
-                self.checkpoint.reader.read_range(where, start, view, name)
+                self.checkpoint.read_range(where, start, view, name)
                 self.advance(view.nbytes)
         except CheckpointError as exc:
             self.problem(name, _reason(exc))
@@ -140,7 +140,7 @@ class _Verifier:
                 return False
             record = memoryview(bytearray(where.nbytes))
             try:
-                self.checkpoint.reader.read_range(where, 0, record, name)
+                self.checkpoint.read_range(where, 0, record, name)
                 self.advance(where.nbytes)
                 decode_value(record, tree_nbytes, key=name, path=self.report.path)
             except UnsafeCheckpointError:
