@@ -18,7 +18,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from torch import nn
 
 import bcp

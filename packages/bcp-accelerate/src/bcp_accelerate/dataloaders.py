@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import bcp
 from bcp import MismatchError
-from bcp.adapters.torch_dataloader import reshard_states
+from bcp.integration import reshard_states
 from bcp.integration import DATALOADER_COMPONENT
 
 
@@ -25,7 +25,7 @@ class StatefulLoaders:
     """The stateful loaders among the prepared ones, as one :class:`bcp.ShardedDataloader`: each
     process's loaders' states (by the loader's position among every prepared dataloader) are its DP
     index's part; on another number of processes each loader's state is resharded from all the saved
-    processes' (:func:`bcp.adapters.torch_dataloader.reshard_states`: accelerate deals the batches
+    processes' (:func:`bcp.integration.reshard_states`: accelerate deals the batches
     of one global order round-robin to the processes)."""
 
     def __init__(self, loaders: Sequence[Any], *, process: int = 0, processes: int = 1) -> None:

@@ -25,6 +25,7 @@ from bcp.adapters.dataloader import COMPONENT as DATALOADER_COMPONENT
 from bcp.adapters.optimizer import PARAM_GROUPS as OPTIMIZER_PARAM_GROUPS
 from bcp.adapters.optimizer import STATE as OPTIMIZER_STATE_PREFIX
 from bcp.adapters.optimizer import flat_optimizer_values, initialize_state, nested_optimizer_state
+from bcp.adapters.torch_dataloader import batches_yielded, reshard_states
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.location import resolve as checkpoint_location
 from bcp.api.options import DEFAULT_IO_THREADS, LoadOptions, SaveOptions
@@ -54,7 +55,7 @@ __all__ = [
     "checkpoint_location", "Storage", "storage_for", "is_url",
     # adapters
     "initialize_state", "adapter_for", "DATALOADER_COMPONENT", "OPTIMIZER_STATE_PREFIX", "OPTIMIZER_PARAM_GROUPS",
-    "nested_optimizer_state", "flat_optimizer_values",
+    "nested_optimizer_state", "flat_optimizer_values", "batches_yielded", "reshard_states",
     # frameworks' own pickled files in a checkpoint folder, read safely
     "refusing_pickled_code",
 ]

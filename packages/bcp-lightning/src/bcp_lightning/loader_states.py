@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import torch
 
 import bcp
-from bcp.adapters.torch_dataloader import batches_yielded, reshard_states
+from bcp.integration import batches_yielded, reshard_states
 from bcp.integration import DATALOADER_COMPONENT as COMPONENT
 
 _PATH = ("loops", "fit_loop", "state_dict")
@@ -34,7 +34,7 @@ class FitLoopLoaders:
     saved states stand for: every rank saves its own under bcp_lightning's strategies; through the
     plugin rank 0's states stand for all ``world`` ranks (Lightning's own assumption: DDP ranks step
     in lockstep). On another number of ranks each loader's state is resharded from all the saved
-    ranks' (:func:`bcp.adapters.torch_dataloader.reshard_states`)."""
+    ranks' (:func:`bcp.integration.reshard_states`)."""
 
     def __init__(self, states: list[Any] | None = None) -> None:
         self.states = states

@@ -9,38 +9,16 @@ so a rank knows before reading anything which parts it needs and whether any is 
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Any, Iterable, Protocol, runtime_checkable
 
+from bcp.adapters.part_key import PartKey
 from bcp.adapters.torch_dataloader import position_of, why_opaque
 from bcp.errors import CheckpointError, CorruptCheckpointError, MismatchError
 
 COMPONENT = "dataloader"
 REPLICATED = "replicated"
-_PART_NAME = re.compile(r"shard/dp(\d+)-of-(\d+)/worker(\d+)-of-(\d+)")
 #: How the replicated part says what the sharded parts are.
 _SHARDED, _PER_RANK = "sharded", "per_rank_state_dict"
-
-
-@dataclass(frozen=True, slots=True, order=True)
-class PartKey:
-    """Which sharded part: DP index ``dp`` of ``dp_size``, read worker ``worker`` of ``workers``."""
-
-    dp: int
-    dp_size: int
-    worker: int
-    workers: int
-
-    @property
-    def name(self) -> str:
-        """The part's value name under ``dataloader/``."""
-        return f"shard/dp{self.dp}-of-{self.dp_size}/worker{self.worker}-of-{self.workers}"
-
-    @staticmethod
-    def parse(name: str) -> "PartKey | None":
-        found = _PART_NAME.fullmatch(name)
-        return PartKey(*map(int, found.groups())) if found else None
 
 
 @runtime_checkable

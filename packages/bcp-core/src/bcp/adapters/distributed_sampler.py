@@ -17,7 +17,7 @@ import torch
 from bcp.errors import MismatchError
 
 if TYPE_CHECKING:  # the dataloader module builds on this one
-    from bcp.adapters.dataloader import PartKey
+    from bcp.adapters.part_key import PartKey
 
 
 class ResumableDistributedSampler(torch.utils.data.Sampler[int]):

@@ -31,7 +31,7 @@ from bcp.adapters.distributed_sampler import ResumableDistributedSampler
 from bcp.errors import CheckpointError, MismatchError
 
 if TYPE_CHECKING:  # the dataloader module builds on this one
-    from bcp.adapters.dataloader import PartKey
+    from bcp.adapters.part_key import PartKey
 
 _KEY = "dataloader"
 #: The replicated part's ``sampler`` field.
