@@ -113,7 +113,7 @@ def check_trace_event_format(trace: dict) -> None:
 
 
 def failed_save(path: str) -> str:
-    state = {"extra_state": {"w": torch.ones(64)}}  # per rank: every rank writes
+    state = {"extra_state": {"w": torch.full((64,), float(dist.get_rank()))}}  # differs per rank: every rank writes
     bcp.save(path, state, metrics_log=True)
     try:
         bcp.save(FailingOnRank1(path), state, metrics_log=True)

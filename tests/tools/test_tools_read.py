@@ -96,7 +96,7 @@ def test_opening_picks_the_newest_committed_generation(saved, tmp_path):
     assert checkpoint.generations() == [(1, True), (2, False)]
     with pytest.raises(bcp.CheckpointNotCommittedError, match="never committed"):
         open_checkpoint(path, generation=2)
-    with pytest.raises(bcp.CheckpointNotFoundError, match="no gen-00000005"):
+    with pytest.raises(bcp.CheckpointNotFoundError, match=r"no generation 5 \(gen-00000005\); the committed generations kept are \[1\]"):
         open_checkpoint(path, generation=5)
     with pytest.raises(bcp.CheckpointNotFoundError, match="no such checkpoint path"):
         open_checkpoint(tmp_path / "nowhere")
