@@ -118,18 +118,30 @@ def only_rank_zero_saves(path: str, warn_after: float, timeout: float) -> None:
         time.sleep(timeout + 6)  # rank 1 goes on training, never calling bcp, while rank 0 times out
 
 
-def store_host_dies(when: str, timeout: float) -> None:
-    """Rank 0 hosts the rendezvous store; it dies (SIGKILL) ``before`` its side group is set up or
-    ``during`` the setup, while the survivor builds the coordinator with a short timeout."""
+def store_host_dies(when: str, timeout: float, coordinator: str = "torch") -> None:
+    """Rank 0 hosts the rendezvous store; it dies (SIGKILL) ``before`` its coordination is set up or
+    ``during`` the setup, while the survivor builds the ``coordinator`` (torch's gloo side group or
+    the gRPC tree) with a short timeout. Dying inside the setup is injected by replacing the step
+    rank 0 would take there (a kill at an exact point cannot be timed otherwise)."""
     rank, world = _join(timeout_s=timeout)
     dist.barrier()  # both ranks are in the job
     if rank == 0:
         if when == "before":
             os.kill(os.getpid(), signal.SIGKILL)
-        dist.ProcessGroupGloo = _dying_gloo  # dies inside the setup, after taking its place in the store
+        if coordinator == "torch":
+            dist.ProcessGroupGloo = _dying_gloo  # after taking its place in the store
+        else:
+            from bcp.coord.grpc import coordinator as grpc_coordinator
+
+            grpc_coordinator.look_up = _dying_gloo  # after publishing its address
     started = time.monotonic()
     try:
-        bcp.TorchCoordinator(timeout=timeout)
+        if coordinator == "torch":
+            bcp.TorchCoordinator(timeout=timeout)
+        else:
+            from bcp.coord.grpc import GrpcCoordinator
+
+            GrpcCoordinator(timeout=timeout)
     except bcp.DistributedError as exc:
         print(f"raised after {time.monotonic() - started:.1f}s: {exc}", flush=True)
         raise SystemExit(3) from None
