@@ -15,6 +15,8 @@ from bcp_megatron.adapter import MegatronValues
 from bcp_megatron.shards import MODEL, OPTIMIZER, save_values
 
 COMPONENTS = (MODEL, OPTIMIZER)
+#: One committed generation per checkpoint folder unless the save strategy asks for more.
+DEFAULT_KEEP_GENERATIONS = bcp.SaveOptions().keep_generations
 
 
 class BcpSaver:
