@@ -186,15 +186,19 @@ def _clean_up(accelerator: accelerate.Accelerator, folder: str, files_dir: str) 
 
 
 def _files_of_older_generations(folder: str) -> set[str]:
-    """The sub-folders of accelerate's files that the kept generations before the newest name."""
+    """The sub-folders of accelerate's files that the kept generations before the newest name
+    (read by the calling process alone)."""
     location = checkpoint_location(folder, None)
     committed = [g for g in location.generations() if location.is_committed(g)]
-    return {_read_record(folder, g)["files"] for g in committed[:-1]}
+    alone = bcp.SingleProcessCoordinator()
+    return {_read_record(folder, g, alone)["files"] for g in committed[:-1]}
 
 
-def _read_record(folder: str, generation: int | None = None) -> dict[str, Any]:
+def _read_record(folder: str, generation: int | None = None,
+                 coordinator: bcp.Coordinator | None = None) -> dict[str, Any]:
     state: dict[str, Any] = {RECORD: None}
-    result = bcp.load(folder, state, strict=False, generation=generation, metrics_log=False)  # a step of load_state: no record of its own
+    result = bcp.load(folder, state, strict=False, generation=generation, coordinator=coordinator,
+                      metrics_log=False)  # a step of load_state: no record of its own
     if RECORD not in result.loaded:
         raise MismatchError(f"this bcp checkpoint has no {RECORD!r} record: it was not written by "
                             "Accelerator.save_state; load it with bcp.load", path=folder)
