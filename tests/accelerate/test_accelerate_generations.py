@@ -46,8 +46,9 @@ def test_load_state_resumes_from_an_older_kept_generation(ranks, tmp_path):
     assert losses[0] == losses[1]
 
 
-def one_generation_by_default(folder: str) -> str:
-    with session("bcp") as accelerator:
+def keep_one(folder: str) -> str:
+    with session() as accelerator:
+        bcp_accelerate.enable(accelerator, keep_generations=1)
         model, optimizer, scheduler = build(accelerator, seed=1)
         accelerator.save_state(folder)
         first = kept(folder)
@@ -60,7 +61,7 @@ def one_generation_by_default(folder: str) -> str:
 
 
 def test_a_generation_not_kept_is_a_clear_error(ranks, tmp_path):
-    messages = ranks(2).run(one_generation_by_default, str(tmp_path / "state"))
+    messages = ranks(2).run(keep_one, str(tmp_path / "state"))
     assert "committed generations kept are" in messages[0]
 
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from bcp import CheckpointError, SaveOptions
 
-#: One committed generation per folder unless asked for more, as ``bcp.save``.
+#: As ``bcp.save``: the newest committed generation and the one before it (a reader of that one is
+#: not broken by the next save).
 DEFAULT_KEEP_GENERATIONS = SaveOptions().keep_generations
 
 _ATTRIBUTE = "_bcp_keep_generations"

@@ -15,7 +15,7 @@ from bcp_megatron.adapter import MegatronValues
 from bcp_megatron.shards import MODEL, OPTIMIZER, save_values
 
 COMPONENTS = (MODEL, OPTIMIZER)
-#: One committed generation per checkpoint folder unless the save strategy asks for more.
+#: Committed generations a checkpoint folder keeps, as ``bcp.save`` (the save strategies' default).
 DEFAULT_KEEP_GENERATIONS = bcp.SaveOptions().keep_generations
 
 
