@@ -115,7 +115,7 @@ def test_load_options(tmp_path):
     with session("bcp") as accelerator:
         model = accelerator.prepare(nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)))
         with pytest.raises(TypeError, match="load_state\\(\\) through bcp takes no assign, device \\(its model "
-                                            "options are strict, map_location\\)"):
+                                            "options are strict, map_location, generation\\)"):
             accelerator.load_state(path, device="cpu", assign=True)
         with pytest.raises(bcp.MismatchError, match="strict load: missing from the checkpoint: model/1.bias, "
                                                     "model/1.weight"):

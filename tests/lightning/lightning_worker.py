@@ -169,19 +169,22 @@ LAYOUTS = {"ddp": "replicated", "bcp_ddp": "replicated", "bcp_fsdp": "fsdp1", "b
 
 
 def fit(strategy: str, dirpath: str, epochs: int, resume_from: str | None = None, plugin: bool = False,
-        async_save: bool = False,
+        async_save: bool = False, keep_generations: int = 1, load_generation: int | None = None,
         save_last: Any = True, top_k: int = -1, monitor: str = "val_loss",
         extra_saves: tuple[tuple[Any, ...], ...] = ()) -> dict[str, Any]:
     """One ``Trainer.fit``; ``plugin`` adds BCPCheckpointIO (for Lightning's own strategies, or an
     asynchronous one with ``async_save``); after
-    it, ``Trainer.save_checkpoint(path, weights_only[, storage_options])`` for each of ``extra_saves``. Monitoring
+    it, ``Trainer.save_checkpoint(path, weights_only[, storage_options])`` for each of ``extra_saves``.
+    ``keep_generations``/``load_generation`` are the plugin's (and add it). Monitoring
     ``"step"`` (always improving) makes every epoch replace the worst of the top k."""
     recorder = Recorder(resumed=resume_from is not None)
     checkpointing = ModelCheckpoint(dirpath=dirpath, filename="{epoch}", monitor=monitor, save_top_k=top_k,
                                     mode="max" if monitor == "step" else "min", save_last=save_last)
+    generations = {"keep_generations": keep_generations, "load_generation": load_generation}
+    with_plugin = plugin or async_save or generations != {"keep_generations": 1, "load_generation": None}
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD_SIZE, strategy=STRATEGIES[strategy](),
-        plugins=[BCPCheckpointIO(async_save=async_save)] if plugin or async_save else None, max_epochs=epochs,
+        plugins=[BCPCheckpointIO(async_save=async_save, **generations)] if with_plugin else None, max_epochs=epochs,
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         callbacks=[recorder, checkpointing, EarlyStopping("val_loss", patience=100)])
     data = Data()

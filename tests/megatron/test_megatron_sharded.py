@@ -325,3 +325,30 @@ def save_with_metrics(path: str) -> list | None:
 def test_saves_carry_megatrons_parallel_coordinates_into_the_metrics(ranks, tmp_path):
     topologies = ranks(2).run(save_with_metrics, str(tmp_path))[0]
     assert topologies == [{"dp": 0, "tp": 0, "pp": 0, "ep": 0}, {"dp": 0, "tp": 1, "pp": 0, "ep": 0}]
+
+
+def save_twice(path: str, keep_generations: int) -> None:
+    from megatron.core import dist_checkpointing
+
+    state = sharded_state(dist.get_rank())
+    strategy = bcp_megatron.BcpSaveShardedStrategy(keep_generations=keep_generations)
+    dist_checkpointing.save(state, path, sharded_strategy=strategy)
+    for tensor in _tensors(state):
+        tensor.data.add_(1)
+    dist_checkpointing.save(state, path, sharded_strategy=strategy)
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_folder_saved_again_keeps_the_generations_asked_for(ranks, tmp_path, keep):
+    from bcp.integration import checkpoint_location
+
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    ranks(2).run(save_twice, str(path), keep)
+    location = checkpoint_location(str(path), None)
+    kept = [g for g in location.generations() if location.is_committed(g)]
+    assert len(kept) == keep
+    assert torch.equal(bcp.tools.open_checkpoint(str(path)).read("model/test.regular"), REGULAR + 1)
+    if keep == 2:
+        older = bcp.tools.open_checkpoint(str(path), generation=kept[0])
+        assert torch.equal(older.read("model/test.regular"), REGULAR)

@@ -6,13 +6,15 @@ from typing import Any
 
 import accelerate
 
+from bcp_accelerate.generations import DEFAULT_KEEP_GENERATIONS
 from bcp_accelerate.switch import enable
 
 
 class Accelerator(accelerate.Accelerator):
     """A drop-in ``accelerate.Accelerator`` whose ``save_state``/``load_state`` go through bcp
-    (unless ``ACCELERATE_CHECKPOINT_ENGINE=accelerate`` says otherwise)."""
+    (unless ``ACCELERATE_CHECKPOINT_ENGINE=accelerate`` says otherwise). ``keep_generations`` as for
+    ``bcp_accelerate.enable``."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, keep_generations: int = DEFAULT_KEEP_GENERATIONS, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        enable(self)
+        enable(self, keep_generations=keep_generations)

@@ -23,8 +23,8 @@ from accelerate.utils import DistributedType
 
 import bcp
 from bcp import AdapterError, CheckpointNotCommittedError, MismatchError
-from bcp.integration import refusing_pickled_code
-from bcp_accelerate import components, dataloaders, folders, framework_files, hooks, places
+from bcp.integration import checkpoint_location, refusing_pickled_code
+from bcp_accelerate import components, dataloaders, folders, framework_files, generations, hooks, places
 from bcp_accelerate.consensus import on_all_ranks
 from bcp_accelerate.engine_variable import ENGINE_VARIABLE
 
@@ -35,7 +35,7 @@ RECORD = "accelerate"
 CUSTOM_PREFIX = "custom_"
 _UNSUPPORTED = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.MEGATRON_LM: "Megatron-LM",
                 DistributedType.XLA: "XLA"}
-_LOAD_OPTIONS = ("strict", "map_location")
+_LOAD_OPTIONS = ("strict", "map_location", "generation")
 
 
 def check_supported(distributed_type: DistributedType) -> None:
@@ -73,7 +73,8 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLi
         state["model"] = model
     if optimizers:
         state["optimizer"] = components.optimizer_component(models, optimizers, for_load=False)
-    bcp.save(folder, state, topology=process_topology(accelerator)).wait()
+    bcp.save(folder, state, topology=process_topology(accelerator),
+             keep_generations=generations.kept(accelerator)).wait()
 
     # Every rank waits for the clean-up so that none looks at folders being deleted.
     on_all_ranks(lambda: _clean_up(accelerator, folder, files_dir), f"removing what {folder} replaced")
@@ -86,10 +87,14 @@ def load_state(accelerator: accelerate.Accelerator, input_dir: "str | os.PathLik
                **load_model_func_kwargs: Any) -> None:
     """``Accelerator.load_state`` through bcp. Without ``input_dir`` (automatic naming) it resumes
     from the newest committed checkpoint; a folder written by accelerate's own engine is loaded by
-    ``accelerate_load_state``. ``strict=False`` loads the overlap of checkpoint and models."""
+    ``accelerate_load_state``. ``strict=False`` loads the overlap of checkpoint and models;
+    ``generation=N`` loads a kept older generation of the folder (``bcp inspect`` lists them)."""
     check_supported(accelerator.distributed_type)
     folder, kind = on_all_ranks(lambda: _choose(accelerator, input_dir), "choosing the checkpoint to load")
     if kind == folders.Contents.ACCELERATE.name:
+        if load_model_func_kwargs.get("generation") is not None:
+            raise bcp.CheckpointNotFoundError("generation= loads a kept generation of a bcp checkpoint; this folder "
+                                              "was written by accelerate's own engine, which keeps none", path=folder)
         with framework_files.safe_accelerate_load(folder):
             accelerate_load_state(accelerator, folder, load_kwargs, **load_model_func_kwargs)
     else:
@@ -112,7 +117,8 @@ def _load_through_bcp(accelerator: accelerate.Accelerator, folder: str, load_kwa
         raise TypeError(f"load_state() through bcp takes no {', '.join(unknown)} "
                         f"(its model options are {', '.join(_LOAD_OPTIONS)})")
     loaded_models = on_all_ranks(lambda: hooks.models_to_load(accelerator, folder), "running the load_state pre-hooks")
-    record = _read_record(folder)
+    generation = options.get("generation")
+    record = _read_record(folder, generation)
     on_all_ranks(lambda: _check_matches(record, accelerator, loaded_models, folder), "checking the checkpoint")
 
     models, optimizers = accelerator._models, accelerator._optimizers
@@ -129,7 +135,8 @@ def _load_through_bcp(accelerator: accelerate.Accelerator, folder: str, load_kwa
     if loaders_in_bcp:
         state.update(dataloaders.component(accelerator))
     if state:
-        bcp.load(folder, state, strict=options.get("strict", True), topology=process_topology(accelerator))
+        bcp.load(folder, state, strict=options.get("strict", True), generation=generation,
+                 topology=process_topology(accelerator))
     if optimizers:
         components.restore_param_groups(state["optimizer"], optimizers)
     on_all_ranks(lambda: _load_accelerate_files(accelerator, folder, record["files"], load_kwargs, custom_in_bcp,
@@ -167,19 +174,31 @@ def _load_accelerate_files(accelerator: accelerate.Accelerator, folder: str, fil
 
 
 def _clean_up(accelerator: accelerate.Accelerator, folder: str, files_dir: str) -> None:
-    """On the main process: accelerate's files of earlier saves into ``folder`` (no longer referenced
-    by the committed checkpoint), and checkpoints beyond ``total_limit``."""
+    """On the main process: accelerate's files of earlier saves into ``folder`` that no kept
+    generation references any more, and checkpoints beyond ``total_limit``."""
     if not accelerator.is_main_process:
         return
+    referenced = {files_dir} | _files_of_older_generations(folder)
     for name in places.names(folder):
-        if name.startswith(folders.FILES_DIR_PREFIX) and name != files_dir:
+        if name.startswith(folders.FILES_DIR_PREFIX) and name not in referenced:
             places.remove(places.join(folder, name))
     folders.prune(accelerator, folder)
 
 
-def _read_record(folder: str) -> dict[str, Any]:
+def _files_of_older_generations(folder: str) -> set[str]:
+    """The sub-folders of accelerate's files that the kept generations before the newest name
+    (read by the calling process alone)."""
+    location = checkpoint_location(folder, None)
+    committed = [g for g in location.generations() if location.is_committed(g)]
+    alone = bcp.SingleProcessCoordinator()
+    return {_read_record(folder, g, alone)["files"] for g in committed[:-1]}
+
+
+def _read_record(folder: str, generation: int | None = None,
+                 coordinator: bcp.Coordinator | None = None) -> dict[str, Any]:
     state: dict[str, Any] = {RECORD: None}
-    result = bcp.load(folder, state, strict=False, metrics_log=False)  # a step of load_state: no record of its own
+    result = bcp.load(folder, state, strict=False, generation=generation, coordinator=coordinator,
+                      metrics_log=False)  # a step of load_state: no record of its own
     if RECORD not in result.loaded:
         raise MismatchError(f"this bcp checkpoint has no {RECORD!r} record: it was not written by "
                             "Accelerator.save_state; load it with bcp.load", path=folder)

@@ -15,7 +15,8 @@ from typing import Any, Callable
 import accelerate
 
 from bcp import CheckpointError
-from bcp_accelerate import engine
+from bcp_accelerate import engine, generations
+from bcp_accelerate.generations import DEFAULT_KEEP_GENERATIONS
 from bcp_accelerate.engine_variable import ENGINE_VARIABLE
 
 #: ``ENGINE_VARIABLE=bcp`` routes every accelerator through bcp; ``accelerate`` forces accelerate's own
@@ -37,10 +38,15 @@ def requested_engine() -> str | None:
     return value
 
 
-def enable(accelerator: accelerate.Accelerator) -> accelerate.Accelerator:
-    """Route this accelerator's ``save_state``/``load_state`` through bcp; returns it."""
+def enable(accelerator: accelerate.Accelerator, *,
+           keep_generations: int = DEFAULT_KEEP_GENERATIONS) -> accelerate.Accelerator:
+    """Route this accelerator's ``save_state``/``load_state`` through bcp; returns it.
+    ``keep_generations``: committed generations kept when ``save_state`` writes to a folder that
+    already holds a checkpoint (a fixed ``output_dir``); each is a full copy of the state on disk,
+    and ``load_state(folder, generation=N)`` loads an older one."""
     if not isinstance(accelerator, accelerate.Accelerator):
         raise TypeError(f"enable() takes an accelerate.Accelerator, got {type(accelerator).__name__}")
+    generations.set_kept(accelerator, keep_generations)
     install()
     setattr(accelerator, _OPTED_IN, True)
     return accelerator

@@ -35,15 +35,19 @@ class CheckpointIOMixin:
 
     A single-file checkpoint written by Lightning's default ``TorchCheckpointIO`` loads too (with
     ``torch.load(weights_only=True)``), so a run can switch to bcp when it resumes.
+
+    ``keep_generations=N`` keeps the N newest committed generations of a path saved again
+    (``last.ckpt``); ``load_generation=G`` makes the loads through this plugin (``ckpt_path=``
+    resumes) read the kept generation G instead of the newest: a roll-back after a loss spike.
     """
 
     def __init__(self, *, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
                  verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS,
-                 keep_generations: int = DEFAULT_KEEP_GENERATIONS) -> None:
+                 keep_generations: int = DEFAULT_KEEP_GENERATIONS, load_generation: int | None = None) -> None:
         super().__init__()
         self.options = Options.of(async_save=async_save, allow_pickle=allow_pickle, verify=verify,
                                   verify_replicas=verify_replicas, io_threads=io_threads,
-                                  keep_generations=keep_generations)
+                                  keep_generations=keep_generations, load_generation=load_generation)
         self._pending = PendingSaves()
 
     # Lightning's CheckpointIO interface.
@@ -63,6 +67,10 @@ class CheckpointIOMixin:
                             "supported, move the loaded tensors instead")
         location = self._before_load(path)
         if paths.is_single_file(location):
+            if self.options.load.generation is not None:
+                raise bcp.CheckpointNotFoundError(
+                    f"load_generation={self.options.load.generation} asks for a kept generation, but this is a "
+                    "single-file checkpoint of Lightning's TorchCheckpointIO, which keeps none", path=location)
             return torch_files.load(location)
         single = bcp.SingleProcessCoordinator()
         rest, layout = self._read_metadata(location, single, weights_only)

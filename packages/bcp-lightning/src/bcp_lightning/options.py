@@ -25,18 +25,20 @@ class Options:
     @staticmethod
     def of(*, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
            verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS,
-           keep_generations: int = DEFAULT_KEEP_GENERATIONS) -> "Options":
+           keep_generations: int = DEFAULT_KEEP_GENERATIONS, load_generation: int | None = None) -> "Options":
         """``async_save``: return from a save once bcp has staged it in host memory (it commits in
         the background, in call order; pending saves are waited for before a load, before their path
         is removed, at teardown and at exit). ``allow_pickle``: let values outside bcp's safe
         encoding (callbacks' or hyper-parameters' state) be pickled, and such checkpoints loaded.
         ``keep_generations``: committed generations kept when one checkpoint path is saved again
-        (``last.ckpt``); each costs the checkpoint's size on disk.
+        (``last.ckpt``); each costs the checkpoint's size on disk. ``load_generation``: the kept
+        generation that loads read instead of the newest (a roll-back; ``bcp inspect`` lists them).
         The others as in ``bcp.SaveOptions``/``bcp.LoadOptions``."""
         return Options(save=bcp.SaveOptions(async_save=async_save, allow_pickle=allow_pickle,
                                             verify_replicas=verify_replicas, io_threads=io_threads,
                                             keep_generations=keep_generations),
-                       load=bcp.LoadOptions(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads))
+                       load=bcp.LoadOptions(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads,
+                                            generation=load_generation))
 
 
 #: The ``storage_options`` keys a save honours, with the type each value must have. They override

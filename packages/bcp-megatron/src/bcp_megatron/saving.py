@@ -15,6 +15,8 @@ from bcp_megatron.adapter import MegatronValues
 from bcp_megatron.shards import MODEL, OPTIMIZER, save_values
 
 COMPONENTS = (MODEL, OPTIMIZER)
+#: Committed generations a checkpoint folder keeps, as ``bcp.save`` (the save strategies' default).
+DEFAULT_KEEP_GENERATIONS = bcp.SaveOptions().keep_generations
 
 
 class BcpSaver:

@@ -29,7 +29,7 @@ from bcp_megatron.completion import completion_request
 from bcp_megatron.errors import as_megatron_errors
 from bcp_megatron.load import BcpLoader, read_manifest, sharded_metadata, tensors_metadata
 from bcp_megatron.removal import remove_sharded
-from bcp_megatron.saving import DEFAULT_IO_THREADS, BcpSaver
+from bcp_megatron.saving import DEFAULT_IO_THREADS, DEFAULT_KEEP_GENERATIONS, BcpSaver
 from bcp_megatron.version import BACKEND, VERSION
 
 
@@ -40,14 +40,18 @@ class BcpSaveShardedStrategy(AsyncSaveShardedStrategy):
     over the replicas, so no ``FullyParallelSaveStrategyWrapper`` is needed (wrapping is harmless).
     The core caches the global plan while no rank's structure changes (checked at every save).
     ``allow_pickle`` lets objects outside bcp's safe encoding be pickled (the checkpoint is then
-    marked unsafe). ``coordinator`` defaults to the world.
+    marked unsafe). ``coordinator`` defaults to the world. ``keep_generations``: committed
+    generations of the sharded state kept when the same ``checkpoint_dir`` is saved again (each a
+    full copy on disk; Megatron-LM saves every iteration to a folder of its own, where it changes
+    nothing). Megatron-Core writes ``common.pt`` and ``metadata.json`` itself, the newest save's only.
     """
 
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, allow_pickle: bool = False,
-                 io_threads: int = DEFAULT_IO_THREADS, coordinator: Coordinator | None = None) -> None:
+                 io_threads: int = DEFAULT_IO_THREADS, coordinator: Coordinator | None = None,
+                 keep_generations: int = DEFAULT_KEEP_GENERATIONS) -> None:
         super().__init__(backend, version)
         self.saver = BcpSaver(bcp.SaveOptions(allow_pickle=allow_pickle, io_threads=io_threads,
-                                              coordinator=coordinator))
+                                              coordinator=coordinator, keep_generations=keep_generations))
 
     @property
     def can_handle_sharded_objects(self) -> bool:

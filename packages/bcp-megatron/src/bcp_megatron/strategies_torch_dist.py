@@ -31,7 +31,7 @@ from bcp_megatron.completion import completion_request
 from bcp_megatron.errors import as_megatron_errors
 from bcp_megatron.load import BcpLoader, read_manifest, sharded_metadata, tensors_metadata
 from bcp_megatron.removal import remove_sharded
-from bcp_megatron.saving import DEFAULT_IO_THREADS, BcpSaver
+from bcp_megatron.saving import DEFAULT_IO_THREADS, DEFAULT_KEEP_GENERATIONS, BcpSaver
 from bcp_megatron.version import BACKEND, VERSION
 
 # Megatron-Core 0.17 added torch_dist's cache_metadata option; 0.16's strategy takes no arguments.
@@ -45,10 +45,11 @@ class BcpSaveShardedStrategy(TorchDistSaveShardedStrategy):
     ``metadata.json`` names bcp."""
 
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, allow_pickle: bool = False,
-                 io_threads: int = DEFAULT_IO_THREADS, coordinator: Coordinator | None = None) -> None:
+                 io_threads: int = DEFAULT_IO_THREADS, coordinator: Coordinator | None = None,
+                 keep_generations: int = DEFAULT_KEEP_GENERATIONS) -> None:
         super().__init__(backend, version)
         self.saver = BcpSaver(bcp.SaveOptions(allow_pickle=allow_pickle, io_threads=io_threads,
-                                              coordinator=coordinator))
+                                              coordinator=coordinator, keep_generations=keep_generations))
 
     def can_handle_sharded_objects(self) -> bool:
         return True

@@ -1,0 +1,71 @@
+"""``bcp_accelerate.enable(accelerator, keep_generations=N)``: ``save_state`` into one folder again
+keeps the N newest committed generations with accelerate's files of each, and
+``load_state(folder, generation=)`` resumes from an older one on 2 processes, bitwise."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import bcp
+import bcp_accelerate
+from accelerate_helpers import assert_restored, build, scramble_rng, session, snapshot, train
+from bcp.integration import checkpoint_location
+
+
+def kept(folder: str) -> list[int]:
+    location = checkpoint_location(folder, None)
+    return [g for g in location.generations() if location.is_committed(g)]
+
+
+def save_twice_resume_older(folder: str) -> list[float]:
+    with session() as accelerator:
+        bcp_accelerate.enable(accelerator, keep_generations=2)
+        model, optimizer, scheduler = build(accelerator, seed=1)
+        train(accelerator, model, optimizer, scheduler, range(2))
+        accelerator.save_state(folder)
+        older = snapshot(accelerator, model, optimizer, scheduler)
+        reference = train(accelerator, model, optimizer, scheduler, range(2, 4))
+        accelerator.save_state(folder)
+        generations = kept(folder)
+        assert len(generations) == 2
+        # Each kept generation still has the sub-folder of accelerate's files it names.
+        assert sum(name.startswith("accelerate-") for name in os.listdir(folder)) == 2
+    with session("bcp") as accelerator:
+        model, optimizer, scheduler = build(accelerator, seed=2)
+        scramble_rng()
+        accelerator.load_state(folder, generation=generations[0])
+        assert_restored(older, snapshot(accelerator, model, optimizer, scheduler))
+        assert train(accelerator, model, optimizer, scheduler, range(2, 4)) == reference
+    return reference
+
+
+def test_load_state_resumes_from_an_older_kept_generation(ranks, tmp_path):
+    losses = ranks(2).run(save_twice_resume_older, str(tmp_path / "state"))
+    assert losses[0] == losses[1]
+
+
+def keep_one(folder: str) -> str:
+    with session() as accelerator:
+        bcp_accelerate.enable(accelerator, keep_generations=1)
+        model, optimizer, scheduler = build(accelerator, seed=1)
+        accelerator.save_state(folder)
+        first = kept(folder)
+        accelerator.save_state(folder)
+        assert len(kept(folder)) == 1
+        assert sum(name.startswith("accelerate-") for name in os.listdir(folder)) == 1
+        with pytest.raises(bcp.CheckpointNotFoundError) as missing:
+            accelerator.load_state(folder, generation=first[0])
+        return str(missing.value)
+
+
+def test_a_generation_not_kept_is_a_clear_error(ranks, tmp_path):
+    messages = ranks(2).run(keep_one, str(tmp_path / "state"))
+    assert "committed generations kept are" in messages[0]
+
+
+def test_keep_generations_must_be_positive():
+    with session() as accelerator:
+        with pytest.raises(bcp.CheckpointError, match="keep_generations must be an integer >= 1"):
+            bcp_accelerate.enable(accelerator, keep_generations=0)
