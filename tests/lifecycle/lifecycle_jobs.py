@@ -93,6 +93,9 @@ class SlowDisk(bcp.LocalStorage):
 def interrupted_twice_during_async_save(path: str) -> None:
     """A user's Ctrl-C during an asynchronous save (the first interrupts training, the process then
     waits for the save at exit), and a second Ctrl-C while it waits."""
+    # Python's own Ctrl-C handling, as in a terminal: a job started in the background by a
+    # non-interactive shell inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     _, world = _join()
     state = _trained_state(world)
     bcp.save(path, state)  # the previous, committed checkpoint
