@@ -90,7 +90,7 @@ class _ShardedWanted:
         #: (live data, zeroed copy read into) of tensors whose saved shape differs (allow_shape_mismatch).
         self.resized: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def plan(self, checkpoint: Checkpoint, coord: Coordinator, result: bcp.LoadResult) -> "_ShardedWanted":
+    def plan(self, checkpoint: Checkpoint, result: bcp.LoadResult) -> "_ShardedWanted":
         manifest = _megatron(checkpoint).manifest
         absent: list[str] = []
         for value in nested_values(self.sharded_state_dict):

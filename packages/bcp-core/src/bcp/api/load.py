@@ -55,7 +55,7 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
     """
     options = (options or LoadOptions()).merged(keywords)
     check_keys(state)
-    return load_wanted(path, lambda checkpoint, coord, result: _StateWanted.of(state, checkpoint, result, options),
+    return load_wanted(path, lambda checkpoint, result: _StateWanted.of(state, checkpoint, result, options),
                        options)
 
 
@@ -79,7 +79,7 @@ class Wanted(Protocol):
 
 
 #: Names what a live state wants, once the checkpoint is open (raises a CheckpointError when it cannot).
-Want = Callable[[Checkpoint, Coordinator, LoadResult], Wanted]
+Want = Callable[[Checkpoint, LoadResult], Wanted]
 
 
 @paused_gc()  # a load of thousands of tensors builds a few records per tensor, none in cycles
@@ -110,7 +110,7 @@ def _load(path: "str | os.PathLike | Storage", want: Want, options: LoadOptions,
     result = LoadResult(checkpoint.path, checkpoint.generation, manifest.world_size, manifest.framework,
                         stats=stats)
     with stats.phase("plan"):
-        planned = Outcome.of(lambda: _plan(want(checkpoint, coord, result), checkpoint, options))
+        planned = Outcome.of(lambda: _plan(want(checkpoint, result), checkpoint, options))
     if isinstance(planned.error, CheckpointError):
         planned.error.at(checkpoint.path)
     roles = _read_once_roles(coord, planned, checkpoint) if options.read_once else None
