@@ -8,6 +8,9 @@ test walks their imports).
 - the reader door (a committed checkpoint opened for reading: the manifest, wanted pieces, values),
   the options of save and load (``DEFAULT_IO_THREADS``, their default parallelism), and the
   process's runtime (plan cache, buffers, async lane);
+- the load sequence: ``load_wanted`` reads the tensor pieces and values an integration's ``Wanted``
+  names, verifies them, agrees across ranks and applies (transactional, ``read_once``, metrics
+  record, the GC paused), as ``bcp.load`` does for its own states;
 - where checkpoints live (``checkpoint_location(path, role)``: generations and their commit
   state), the storage backend for a path or URL and ``is_url``, the one test of which a path is;
 - adapters: ``initialize_state`` gives a never-stepped optimizer its state before a load; the
@@ -27,6 +30,7 @@ from bcp.adapters.optimizer import STATE as OPTIMIZER_STATE_PREFIX
 from bcp.adapters.optimizer import flat_optimizer_values, initialize_state, nested_optimizer_state
 from bcp.adapters.torch_dataloader import batches_yielded, reshard_states
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
+from bcp.api.load import Want, Wanted, load_wanted
 from bcp.api.location import resolve as checkpoint_location
 from bcp.api.options import DEFAULT_IO_THREADS, LoadOptions, SaveOptions
 from bcp.api.runtime import Runtime, reset_runtime, runtime
@@ -51,6 +55,8 @@ __all__ = [
     # the doors, their options, the process's runtime
     "Checkpoint", "open_checkpoint", "SaveOptions", "LoadOptions", "DEFAULT_IO_THREADS", "Runtime", "runtime",
     "reset_runtime",
+    # the load sequence for wanted pieces and values of an integration's own
+    "load_wanted", "Wanted", "Want",
     # where checkpoints live: generations and their commit state; storage backends
     "checkpoint_location", "Storage", "storage_for", "is_url",
     # adapters

@@ -7,7 +7,9 @@ record its main replica wrote, whichever rank that was.
 
 from __future__ import annotations
 
+import logging
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,10 +17,11 @@ from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, 
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 import bcp
-from bcp.integration import (Checkpoint, Manifest, Outcome, Piece, all_agree, as_coordinator,
-                             dtype_from_name, open_checkpoint, pieces_of)
+from bcp.integration import (Checkpoint, Coordinator, Manifest, Piece, dtype_from_name, load_wanted, open_checkpoint,
+                             pieces_of)
 
 from bcp_megatron.adapter import NAME as FRAMEWORK
+from bcp_megatron.saving import parallel_topology
 from bcp_megatron.shards import clip_to, empty_like_chunk, entry_name, object_name, restored, sharded_key, tensor_shards
 
 _LISTED = 20
@@ -26,21 +29,21 @@ _LISTED = 20
 
 class BcpLoader:
     """The load both strategy flavours share, with its options (``allow_pickle``, ``verify``,
-    ``io_threads``, ``coordinator``, ``cast_dtype`` are used)."""
+    ``io_threads``, ``coordinator``, ``cast_dtype``, ``read_once``, ``transactional``, ``metrics_log``
+    and ``topology`` are used)."""
 
     def __init__(self, options: bcp.LoadOptions) -> None:
         self.options = options
 
     def load(self, sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike") -> dict:
         """Collective: fill every rank's ShardedTensors in place and return the state dict with each
-        sharded value replaced by its loaded tensor or object."""
-        options = self.options
-        coord = as_coordinator(options.coordinator)
-        checkpoint = open_checkpoint(checkpoint_dir, verify=options.verify, io_threads=options.io_threads,
-                                     coordinator=coord)
-        loaded = Outcome.of(lambda: _read(sharded_state_dict, _megatron(checkpoint), options))
-        all_agree(coord, Outcome(error=loaded.error), f"loading {checkpoint.path}")
-        return loaded.value
+        sharded value replaced by its loaded tensor or object. Runs bcp's load sequence, so no rank's
+        tensors are written unless every rank read and verified its share."""
+        wanted = _ShardedWanted(sharded_state_dict, self.options)
+        # Megatron-Core logs its strategies' routine work at DEBUG, as saving does.
+        load_wanted(checkpoint_dir, wanted.plan, replace(self.options, topology=self.options.topology or
+                                                         parallel_topology(), summary_log_level=logging.DEBUG))
+        return wanted.state_dict()
 
 
 def read_manifest(checkpoint_dir: "str | os.PathLike") -> Manifest:
@@ -74,52 +77,76 @@ def _megatron(checkpoint: Checkpoint) -> Checkpoint:
     return checkpoint
 
 
-def _read(sharded_state_dict: dict, checkpoint: Checkpoint, options: bcp.LoadOptions) -> dict:
-    manifest = checkpoint.manifest
-    values: dict[int, Any] = {}
-    pieces: list[Piece] = []
-    objects: list[tuple[ShardedObject, str]] = []
-    absent: list[str] = []
-    for value in nested_values(sharded_state_dict):
-        if isinstance(value, ShardedTensor):
-            name = entry_name(value.key)
-            if name not in manifest.tensors:
-                absent.append(value.key)
-                continue
-            pieces.extend(_tensor_pieces(value, name, checkpoint, options.cast_dtype))
-            values[id(value)] = value.data
-        elif isinstance(value, ShardedObject):
-            name = object_name(value)
-            if name not in manifest.objects:
-                absent.append(value.unique_key)
-                continue
-            objects.append((value, name))
-        else:
-            raise bcp.UnsupportedValueError(f"cannot load into a {type(value).__name__}: only ShardedTensor and "
-                                            "ShardedObject values are read by the strategy")
-    if absent:
-        more = f" and {len(absent) - _LISTED} more" if len(absent) > _LISTED else ""
-        shown = ", ".join(sorted(absent)[:_LISTED]) + more
-        raise bcp.MismatchError(f"{len(absent)} requested sharded key(s) are not in the checkpoint: {shown}; load "
-                                "with strict=StrictHandling.LOG_UNEXPECTED (or RETURN_UNEXPECTED) to skip them",
-                                path=checkpoint.path)
-    checkpoint.read_pieces(pieces)
-    for value, name in objects:  # read from the record its main replica wrote, whichever rank that was
-        owner = checkpoint.value_source(name)
-        values[id(value)] = restored(checkpoint.read_object(name, rank=owner, allow_pickle=options.allow_pickle))
-    return dict_list_map_outplace(lambda value: values[id(value)], sharded_state_dict)
+class _ShardedWanted:
+    """What a sharded state dict wants: the pieces of its ShardedTensors and its ShardedObjects'
+    records. Megatron compares the keys with the checkpoint's itself (its ``StrictHandling``), so no
+    left-over names are reported."""
 
+    def __init__(self, sharded_state_dict: dict, options: bcp.LoadOptions) -> None:
+        self.sharded_state_dict, self.options = sharded_state_dict, options
+        self.pieces: list[Piece] = []
+        self.values: dict[int, Any] = {}
+        self.objects: list[tuple[ShardedObject, str]] = []
+        #: (live data, zeroed copy read into) of tensors whose saved shape differs (allow_shape_mismatch).
+        self.resized: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-def _tensor_pieces(sh_ten: ShardedTensor, name: str, checkpoint: Checkpoint, cast_dtype: bool) -> list[Piece]:
-    saved_shape = checkpoint.tensors[name].shape
-    resized = sh_ten.allow_shape_mismatch and tuple(sh_ten.global_shape) != saved_shape
-    checkpoint.check_meta(name, sh_ten.dtype, saved_shape if resized else tuple(sh_ten.global_shape),
-                          cast_dtype=cast_dtype)
-    if sh_ten.data is None:
-        sh_ten.data = empty_like_chunk(sh_ten)
-    elif sh_ten.allow_shape_mismatch:
-        sh_ten.data.detach().zero_()  # what lies outside the saved tensor stays defined
-    shards = tensor_shards(sh_ten)
-    if resized:
-        shards = clip_to(shards, saved_shape)
-    return [piece for shard in shards for piece in pieces_of(name, shard)]
+    def plan(self, checkpoint: Checkpoint, result: bcp.LoadResult) -> "_ShardedWanted":
+        manifest = _megatron(checkpoint).manifest
+        absent: list[str] = []
+        for value in nested_values(self.sharded_state_dict):
+            if isinstance(value, ShardedTensor):
+                name = entry_name(value.key)
+                if name not in manifest.tensors:
+                    absent.append(value.key)
+                    continue
+                self.pieces.extend(self._tensor_pieces(value, name, checkpoint))
+                self.values[id(value)] = value.data
+            elif isinstance(value, ShardedObject):
+                name = object_name(value)
+                if name not in manifest.objects:
+                    absent.append(value.unique_key)
+                    continue
+                self.objects.append((value, name))
+            else:
+                raise bcp.UnsupportedValueError(f"cannot load into a {type(value).__name__}: only ShardedTensor and "
+                                                "ShardedObject values are read by the strategy")
+        if absent:
+            more = f" and {len(absent) - _LISTED} more" if len(absent) > _LISTED else ""
+            shown = ", ".join(sorted(absent)[:_LISTED]) + more
+            raise bcp.MismatchError(f"{len(absent)} requested sharded key(s) are not in the checkpoint: {shown}; load "
+                                    "with strict=StrictHandling.LOG_UNEXPECTED (or RETURN_UNEXPECTED) to skip them",
+                                    path=checkpoint.path)
+        return self
+
+    def _tensor_pieces(self, sh_ten: ShardedTensor, name: str, checkpoint: Checkpoint) -> list[Piece]:
+        saved_shape = checkpoint.tensors[name].shape
+        resized = sh_ten.allow_shape_mismatch and tuple(sh_ten.global_shape) != saved_shape
+        checkpoint.check_meta(name, sh_ten.dtype, saved_shape if resized else tuple(sh_ten.global_shape),
+                              cast_dtype=self.options.cast_dtype)
+        if sh_ten.data is None:
+            sh_ten.data = empty_like_chunk(sh_ten)
+        if not resized:
+            return [piece for shard in tensor_shards(sh_ten) for piece in pieces_of(name, shard)]
+        # what lies outside the saved tensor stays defined: read into zeros, copied in once applied
+        zeros = torch.zeros_like(sh_ten.data)
+        self.resized.append((sh_ten.data, zeros))
+        shards = clip_to(tensor_shards(replace(sh_ten, data=zeros)), saved_shape)
+        return [piece for shard in shards for piece in pieces_of(name, shard)]
+
+    def left_over(self) -> None:
+        return None
+
+    def read_values(self, checkpoint: Checkpoint, coord: Coordinator, result: bcp.LoadResult) -> dict[str, Any]:
+        # each object from the record its main replica wrote, whichever rank that was
+        sources = {name: checkpoint.value_source(name) for _, name in self.objects}
+        return checkpoint.read_objects(sources, allow_pickle=self.options.allow_pickle)
+
+    def apply(self, loaded: dict[str, Any]) -> None:
+        for data, zeros in self.resized:
+            data.detach().copy_(zeros)
+        for value, name in self.objects:
+            self.values[id(value)] = restored(loaded[name])
+
+    def state_dict(self) -> dict:
+        """The state dict with each sharded value replaced by what was loaded into it."""
+        return dict_list_map_outplace(lambda value: self.values[id(value)], self.sharded_state_dict)

@@ -71,13 +71,15 @@ class BcpSaveShardedStrategy(AsyncSaveShardedStrategy):
 class BcpLoadShardedStrategy(LoadShardedStrategy):
     """Loads a bcp checkpoint into any parallel layout. ``verify`` checks every byte read against
     its checksum; ``allow_pickle`` is needed for checkpoints saved with it; ``cast_dtype`` (on, as
-    torch_dist casts) converts a tensor saved in another dtype than the requested one."""
+    torch_dist casts) converts a tensor saved in another dtype than the requested one; ``read_once``
+    reads bytes that several ranks need (data-parallel replicas) once and sends them to the others.
+    No rank's tensors are written unless every rank read and verified its share."""
 
     def __init__(self, *, allow_pickle: bool = False, verify: bool = True, io_threads: int = DEFAULT_IO_THREADS,
-                 coordinator: Coordinator | None = None, cast_dtype: bool = True) -> None:
+                 coordinator: Coordinator | None = None, cast_dtype: bool = True, read_once: bool = False) -> None:
         super().__init__()
         self.loader = BcpLoader(bcp.LoadOptions(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads,
-                                                coordinator=coordinator, cast_dtype=cast_dtype))
+                                                coordinator=coordinator, cast_dtype=cast_dtype, read_once=read_once))
 
     @property
     def can_handle_sharded_objects(self) -> bool:

@@ -67,14 +67,16 @@ class BcpSaveShardedStrategy(TorchDistSaveShardedStrategy):
 class BcpLoadShardedStrategy(TorchDistLoadShardedStrategy):
     """Loads bcp checkpoints into any layout, and torch_dist checkpoints through torch_dist;
     ``cast_dtype`` (on, as torch_dist casts) converts a tensor saved in another dtype than the
-    requested one. ``cache_metadata`` is handed to torch_dist's strategy where it has the option
+    requested one; ``read_once`` reads bytes that several ranks need (data-parallel replicas) once
+    and sends them to the others. ``cache_metadata`` is handed to torch_dist's strategy where it has the option
     (Megatron-Core 0.17 and later)."""
 
     def __init__(self, *, allow_pickle: bool = False, verify: bool = True, io_threads: int = DEFAULT_IO_THREADS,
-                 coordinator: Coordinator | None = None, cast_dtype: bool = True, cache_metadata: bool = False) -> None:
+                 coordinator: Coordinator | None = None, cast_dtype: bool = True, read_once: bool = False,
+                 cache_metadata: bool = False) -> None:
         super().__init__(**({"cache_metadata": cache_metadata} if _CACHE_OPTION else {}))
         self.loader = BcpLoader(bcp.LoadOptions(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads,
-                                                coordinator=coordinator, cast_dtype=cast_dtype))
+                                                coordinator=coordinator, cast_dtype=cast_dtype, read_once=read_once))
 
     def can_handle_sharded_objects(self) -> bool:
         return True

@@ -1,15 +1,18 @@
 """``bcp.load``: every rank calls it; the checkpoint is resharded into the live objects' layout.
 
-The phases: open (one rank reads the manifest, every rank receives it), plan (the adapter names the
-wanted tensors' pieces and values; names are matched against the checkpoint), read (through the
-reader door; with ``read_once`` shared replicas are read by one rank and sent to the others), then
-apply (values go back to the live objects)."""
+Two halves. What the live state wants (``_StateWanted``: the adapters name the wanted tensors'
+pieces and values; names are matched against the checkpoint), and :func:`load_wanted`, which any
+integration with wanted pieces and values of its own calls too: open (one rank reads the manifest,
+every rank receives it), plan (the wanted pieces become reads, into staging tensors for a
+transactional load), read (through the reader door; with ``read_once`` shared replicas are read by
+one rank and sent to the others), agree (every rank read and verified its share), then apply (staged
+bytes are placed and values go back to the live objects)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -34,7 +37,6 @@ from bcp.planning.pieces import pieces_of, tensor_meta
 from bcp.planning.read_once import assign_readers
 from bcp.storage import Storage
 
-@paused_gc()  # a load of thousands of tensors builds a few records per tensor, none in cycles
 def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: LoadOptions | None = None,
          **keywords: Any) -> LoadResult:
     """Load the newest committed checkpoint at ``path`` (or the kept ``generation``) into ``state``
@@ -53,18 +55,50 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
     """
     options = (options or LoadOptions()).merged(keywords)
     check_keys(state)
+    return load_wanted(path, lambda checkpoint, result: _StateWanted.of(state, checkpoint, result, options),
+                       options)
+
+
+class Wanted(Protocol):
+    """What a live state wants from a checkpoint: the pieces of saved tensors to fill (their live
+    tensors are written only once every rank has read and verified its share), the values to read,
+    and how those go back to the live objects."""
+
+    #: The tensor pieces to fill, checked against the saved dtypes and shapes.
+    pieces: list[Piece]
+
+    def left_over(self) -> NameMatch | None:
+        """The names matched against the checkpoint, for the strict check that every saved name of a
+        requested component is wanted by some rank; None where the caller checks that itself."""
+
+    def read_values(self, checkpoint: Checkpoint, coord: Coordinator, result: LoadResult) -> dict[str, Any]:
+        """Read the wanted values (the tensor pieces are read by then), by name."""
+
+    def apply(self, loaded: dict[str, Any]) -> None:
+        """Give the values read back to the live objects (the tensor pieces are placed by then)."""
+
+
+#: Names what a live state wants, once the checkpoint is open (raises a CheckpointError when it cannot).
+Want = Callable[[Checkpoint, LoadResult], Wanted]
+
+
+@paused_gc()  # a load of thousands of tensors builds a few records per tensor, none in cycles
+def load_wanted(path: "str | os.PathLike | Storage", want: Want, options: LoadOptions) -> LoadResult:
+    """Collective: open the checkpoint at ``path``, read the pieces and values ``want`` names,
+    verify them, agree across ranks that every rank has, then apply; with ``options.transactional``
+    no live tensor is written unless every rank read everything. Writes the load's metrics record."""
     coord = as_coordinator(options.coordinator)
     stats = PhaseStats()
     monitor = Monitor("load", coord.rank, coord.world_size, stats, options.topology, options.metrics_log,
                       options.summary_log_level)
     try:
-        return _load(path, state, options, coord, monitor)
+        return _load(path, want, options, coord, monitor)
     except BaseException as exc:
         monitor.fail(None, exc)
         raise
 
 
-def _load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: LoadOptions, coord: Coordinator,
+def _load(path: "str | os.PathLike | Storage", want: Want, options: LoadOptions, coord: Coordinator,
           monitor: Monitor) -> LoadResult:
     stats = monitor.stats
     monitor.begin(path)
@@ -76,11 +110,11 @@ def _load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: L
     result = LoadResult(checkpoint.path, checkpoint.generation, manifest.world_size, manifest.framework,
                         stats=stats)
     with stats.phase("plan"):
-        planned = Outcome.of(lambda: _plan(state, checkpoint, result, options))
+        planned = Outcome.of(lambda: _plan(want(checkpoint, result), checkpoint, options))
     if isinstance(planned.error, CheckpointError):
         planned.error.at(checkpoint.path)
     roles = _read_once_roles(coord, planned, checkpoint) if options.read_once else None
-    read = Outcome.of(lambda: _read(planned, checkpoint, roles, coord, result, options.allow_pickle))
+    read = Outcome.of(lambda: _read(planned, checkpoint, roles, coord, result))
     stats.bytes = checkpoint.bytes_read
     _agree_on_reading(coord, planned, read, checkpoint, result, options.strict)
     with stats.phase("apply"):
@@ -98,39 +132,79 @@ def _load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: L
 
 @dataclass(slots=True)
 class _Plan:
-    """What the live state wants: its values by name, the reads that fill its tensors, and the names
-    of the values to decode."""
+    """What a load reads: the live state's wants, the reads that fill its tensors' pieces."""
 
-    state: StateValues
-    wanted: dict[str, Any]
-    names: NameMatch
+    wanted: Wanted
     ops: list[ReadOp] = field(default_factory=list)
-    values: list[str] = field(default_factory=list)
     #: (live piece, staging tensor) pairs of a transactional or cast load: the reads fill the staging tensors.
     staged: list[tuple[Piece, torch.Tensor]] = field(default_factory=list)
     staging: Staging = field(default_factory=lambda: Staging(runtime().load_staging))
 
 
-def _plan(state: dict[str, Any], checkpoint: Checkpoint, result: LoadResult, options: LoadOptions) -> _Plan:
-    manifest = checkpoint.manifest
-    live = collect(state, options.framework, for_load=True, saved_tensors=checkpoint.tensors,
-                   saved_objects=checkpoint.objects, path=result.path)
-    plan = _Plan(live, live.values, match_names(live.values, checkpoint, options.strict))
-    result.loaded, result.missing = plan.names.loaded, plan.names.missing
-    pieces: list[Piece] = []
-    for name in result.loaded:
-        if name in manifest.tensors and is_tensor_value(plan.wanted[name]):
-            checkpoint.check_meta(name, *tensor_meta(name, plan.wanted[name]), cast_dtype=options.cast_dtype)
-            pieces.extend(pieces_of(name, plan.wanted[name]))
-        elif name in manifest.objects:
-            if plan.wanted[name] is not SKIP:
-                plan.values.append(name)
-        else:
-            raise MismatchError("saved as a tensor but the live value is not one, or the reverse",
-                                path=result.path, key=name)
-    pieces, plan.staged = staged(manifest, pieces, every=options.transactional, allocate=plan.staging.allocate)
+def _plan(wanted: Wanted, checkpoint: Checkpoint, options: LoadOptions) -> _Plan:
+    plan = _Plan(wanted)
+    pieces, plan.staged = staged(checkpoint.manifest, wanted.pieces, every=options.transactional,
+                                 allocate=plan.staging.allocate)
     plan.ops = checkpoint.plan(pieces)
     return plan
+
+
+@dataclass(slots=True)
+class _StateWanted:
+    """What a ``bcp.load`` state wants: its values by name, the pieces of its tensors, and the names
+    of the values to decode."""
+
+    state: StateValues
+    wanted: dict[str, Any]
+    names: NameMatch
+    allow_pickle: bool
+    pieces: list[Piece] = field(default_factory=list)
+    values: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def of(state: dict[str, Any], checkpoint: Checkpoint, result: LoadResult, options: LoadOptions) -> "_StateWanted":
+        manifest = checkpoint.manifest
+        live = collect(state, options.framework, for_load=True, saved_tensors=checkpoint.tensors,
+                       saved_objects=checkpoint.objects, path=result.path)
+        plan = _StateWanted(live, live.values, match_names(live.values, checkpoint, options.strict),
+                            options.allow_pickle)
+        result.loaded, result.missing = plan.names.loaded, plan.names.missing
+        for name in result.loaded:
+            if name in manifest.tensors and is_tensor_value(plan.wanted[name]):
+                checkpoint.check_meta(name, *tensor_meta(name, plan.wanted[name]), cast_dtype=options.cast_dtype)
+                plan.pieces.extend(pieces_of(name, plan.wanted[name]))
+            elif name in manifest.objects:
+                if plan.wanted[name] is not SKIP:
+                    plan.values.append(name)
+            else:
+                raise MismatchError("saved as a tensor but the live value is not one, or the reverse",
+                                    path=result.path, key=name)
+        return plan
+
+    def left_over(self) -> NameMatch:
+        return self.names
+
+    def read_values(self, checkpoint: Checkpoint, coord: Coordinator, result: LoadResult) -> dict[str, Any]:
+        loaded = {name: self.wanted[name] for name in result.loaded if name in checkpoint.tensors}
+        sources: dict[str, int] = {}
+        for name in self.values:
+            if name in self.state.merged:
+                merged = checkpoint.distinct_values(name, allow_pickle=self.allow_pickle)
+                loaded[name] = [item for value in merged for item in value]
+                continue
+            sources[name] = source = checkpoint.value_source(name, coord.rank)
+            if source != coord.rank and name in self.state.per_rank:
+                result.from_rank0.append(name)
+        loaded.update(checkpoint.read_objects(sources, allow_pickle=self.allow_pickle))
+        result.duplicated, result.dropped = world_change(
+            checkpoint.objects, [name for name in self.values if name in self.state.per_rank], coord.world_size)
+        if coord.rank == 0:
+            warn_world_change(checkpoint.path, checkpoint.manifest.world_size, coord.world_size, result.duplicated,
+                              result.dropped)
+        return loaded
+
+    def apply(self, loaded: dict[str, Any]) -> None:
+        self.state.apply(loaded)
 
 
 def _read_once_roles(coord: Coordinator, planned: Outcome, checkpoint: Checkpoint) -> list[ReadRole] | None:
@@ -149,7 +223,7 @@ def _assign_readers(every_rank: list[list[list[Any]]]) -> list[list[list[Any]]]:
 
 
 def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None, coord: Coordinator,
-          result: LoadResult, allow_pickle: bool) -> dict[str, Any]:
+          result: LoadResult) -> dict[str, Any]:
     if planned.error is not None:
         raise planned.error
     plan: _Plan = planned.value
@@ -158,32 +232,18 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
             checkpoint.run_reads(plan.ops)
         else:
             result.stats.received_bytes = checkpoint.run_reads_shared(plan.ops, roles, coord.process_group())
-        loaded = {name: plan.wanted[name] for name in result.loaded if name in checkpoint.tensors}
-        sources: dict[str, int] = {}
-        for name in plan.values:
-            if name in plan.state.merged:
-                merged = checkpoint.distinct_values(name, allow_pickle=allow_pickle)
-                loaded[name] = [item for value in merged for item in value]
-                continue
-            sources[name] = source = checkpoint.value_source(name, coord.rank)
-            if source != coord.rank and name in plan.state.per_rank:
-                result.from_rank0.append(name)
-        loaded.update(checkpoint.read_objects(sources, allow_pickle=allow_pickle))
-    result.duplicated, result.dropped = world_change(
-        checkpoint.objects, [name for name in plan.values if name in plan.state.per_rank], coord.world_size)
-    if coord.rank == 0:
-        warn_world_change(checkpoint.path, checkpoint.manifest.world_size, coord.world_size, result.duplicated,
-                          result.dropped)
-    return loaded
+        return plan.wanted.read_values(checkpoint, coord, result)
 
 
 def _agree_on_reading(coord: Coordinator, planned: Outcome, read: Outcome, checkpoint: Checkpoint,
                       result: LoadResult, strict: bool) -> None:
     """Collective: every rank read and verified its share, and every saved name of a requested
     component is wanted by some rank (asked only when a rank has names left over)."""
-    left_over = Outcome(bool(planned.value.names.left_over) if read.error is None else None, read.error)
+    names = planned.value.wanted.left_over() if read.error is None else None
+    left_over = Outcome(bool(names and names.left_over) if read.error is None else None, read.error)
     if any(all_agree(coord, left_over, f"loading {checkpoint.path}")):
-        result.unexpected = unexpected_across_ranks(coord, Outcome.of(lambda: planned.value.names), checkpoint)
+        result.unexpected = unexpected_across_ranks(coord, Outcome.of(lambda: planned.value.wanted.left_over()),
+                                                    checkpoint)
         if strict and result.unexpected:
             raise MismatchError(f"strict load: in the checkpoint but wanted by no rank: {listing(result.unexpected)} "
                                 "(pass strict=False to load the overlap)", path=checkpoint.path)
@@ -193,4 +253,4 @@ def _apply(plan: _Plan, loaded: dict[str, Any]) -> None:
     """Every rank has read and verified everything: place staged bytes into the live tensors, then
     give the values back to the live objects."""
     plan.staging.place([(piece.tensor, staging) for piece, staging in plan.staged])
-    plan.state.apply(loaded)
+    plan.wanted.apply(loaded)
