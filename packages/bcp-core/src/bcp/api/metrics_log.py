@@ -62,13 +62,10 @@ def _put_record(location: Location, record: Mapping[str, Any], line: bytes) -> N
         pass  # the same microsecond and the same random tag: draw another
 
 
-def prune_records(location: Location) -> None:
-    """After a commit's retention: remove the records of operations on generations older than the oldest one kept (a record
-    without a generation: when it started before that generation was claimed)."""
-    committed = [g for g in location.generations() if location.is_committed(g)]
-    if len(committed) < location.keep_generations:
-        return
-    oldest = committed[-location.keep_generations]
+def prune_records(location: Location, oldest: int) -> None:
+    """After a commit's retention, which kept generations from ``oldest`` on: remove the records of
+    operations on older generations (a record without a generation: when it started before
+    ``oldest`` was claimed)."""
     try:
         claimed = json.loads(location.storage.read_bytes(location.name(oldest, CLAIM))).get("unix")
     except (ValueError, AttributeError):  # a claim that is not bcp's JSON object

@@ -64,9 +64,9 @@ def commit_generation(coord: Coordinator, writer: GenerationWriter, report: Outc
             records.extend(record for _, record in every_rank)
             with paused_gc():  # on the background thread of an async save, the foreground's pause is over
                 manifest = manifest_of([RankWrites.from_wire(wire) for wire, _ in every_rank])
-            writer.commit(manifest)
-            if monitor is not None and monitor.metrics_log is True:  # within the commit: its requests are counted
-                _prune_log(writer)
+            oldest_kept = writer.commit(manifest)
+            if monitor is not None and monitor.metrics_log is True and oldest_kept is not None:
+                _prune_log(writer, oldest_kept)  # within the commit: its requests count in this save's record
             return [None] * coord.world_size
 
         with stats.phase("commit"):
@@ -81,9 +81,9 @@ def commit_generation(coord: Coordinator, writer: GenerationWriter, report: Outc
         monitor.finish(records)
 
 
-def _prune_log(writer: GenerationWriter) -> None:
+def _prune_log(writer: GenerationWriter, oldest_kept: int) -> None:
     """The metrics log follows the retention just applied; the commit stands whatever happens here."""
     try:
-        prune_records(writer.location)
+        prune_records(writer.location, oldest_kept)
     except (OSError, CheckpointError) as exc:
         logger.warning("bcp: could not prune the metrics log of %s: %s", writer.location.display, exc)

@@ -165,16 +165,18 @@ class Location:
                                          path=where) from None
         return data, table
 
-    def apply_retention(self, generation: int) -> None:
+    def apply_retention(self, generation: int) -> int | None:
         """Retention once ``generation`` is committed: the newest ``keep_generations`` committed
         generations up to it stay, and so does every newer generation (another writer's save in
-        progress); generations older than the oldest one kept are removed."""
+        progress); generations older than the oldest one kept are removed. Returns that oldest
+        generation kept (None if none is committed)."""
         generations = self.generations()
         committed = [g for g in generations if g <= generation and self.is_committed(g)]
         kept = committed[-max(1, self.keep_generations):]
         for older in generations:
             if kept and older < kept[0]:
                 self.storage.delete_tree(f"{self.prefix}{generation_dir(older)}")
+        return kept[0] if kept else None
 
     def discard(self, generation: int) -> None:
         """Best effort after a failed save: remove what was written into ``generation`` unless it is

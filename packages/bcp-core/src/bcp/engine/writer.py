@@ -73,11 +73,11 @@ class GenerationWriter:
                 value_rows += written_values
         return RankWrites(files, WrittenPieces.of(piece_rows), value_rows, any(v.used_pickle for v in values))
 
-    def commit(self, manifest: Manifest) -> None:
+    def commit(self, manifest: Manifest) -> int | None:
         """Make the generation visible (shard table, manifest, then the commit marker), then remove
-        the generations older than it."""
+        the generations retention no longer keeps; returns the oldest generation kept."""
         self.location.commit(self.generation, manifest)
-        self.location.apply_retention(self.generation)
+        return self.location.apply_retention(self.generation)
 
     def discard(self) -> None:
         """Remove what was written of this generation (never a committed one), best effort."""
