@@ -1,8 +1,8 @@
 """What one process keeps for checkpointing, with one owner and one end.
 
 The Runtime holds the plan cache, the host buffers of asynchronous saves, the background lane
-that commits them in order and the staging buffers of loads; the coordination it uses (bcp's gloo side groups, gRPC coordinators)
-is held by ``bcp.coord`` for the process groups they serve. All of it is released
+that commits them in order and the staging buffers of loads; the coordination it uses (bcp's gloo
+side groups, gRPC coordinators) is held by ``bcp.coord`` for the process groups they serve. All of it is released
 
 - when its process group is destroyed (``dist.destroy_process_group()``, with or without a group):
   pending asynchronous saves are finished first, then the side groups and gRPC coordinators of the
@@ -80,8 +80,7 @@ def shutdown(abandon: bool = False) -> None:
     global _current
     previous, _current = _current, Runtime()
     if abandon:
-        previous.background.abandon.set()
-        release_connections(every=True)  # a commit barrier waiting for other ranks fails now
+        _stop_pending(previous.background)
     previous.background.wait_pending()
     release_connections(every=True)
     previous.close()
@@ -115,9 +114,14 @@ def _at_exit() -> None:
              "checkpoint and which a later save's retention removes.")
 
 
-def _abandon(lane: BackgroundLane, waiting: list[str]) -> None:
+def _stop_pending(lane: BackgroundLane) -> None:
+    """Writers stop before their next piece; a commit barrier waiting for other ranks fails now."""
     lane.abandon.set()
-    release_connections(every=True)  # a commit barrier waiting for other ranks fails now
+    release_connections(every=True)
+
+
+def _abandon(lane: BackgroundLane, waiting: list[str]) -> None:
+    _stop_pending(lane)
     finished = lane.wait_pending(ABANDON_WAIT_S)
     _say(f"abandoned {len(waiting)} asynchronous save(s): {'; '.join(waiting)}; "
          + ("their uncommitted files were removed." if finished else
