@@ -4,20 +4,19 @@ too. Such an object decides itself where a save goes and where a load reads from
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
 
-if TYPE_CHECKING:
-    from bcp.api.load import Want
-    from bcp.api.options import LoadOptions, SaveOptions
-    from bcp.api.results import LoadResult, SaveHandle
+from bcp.api.options import LoadOptions, SaveOptions
+from bcp.api.results import LoadResult, SaveHandle
 
 
 @runtime_checkable
 class CheckpointTarget(Protocol):
     """Where ``bcp.save`` writes and ``bcp.load`` reads when it is given this object as the path."""
 
-    def save_state(self, state: Mapping[str, Any], options: "SaveOptions") -> "SaveHandle":
+    def save_state(self, state: Mapping[str, Any], options: SaveOptions) -> SaveHandle:
         """Collective: save ``state`` as ``bcp.save`` would (its options already merged)."""
 
-    def load_wanted(self, want: "Want", options: "LoadOptions") -> "LoadResult":
-        """Collective: read what ``want`` names, as ``bcp.integration.load_wanted`` would."""
+    def load_wanted(self, want: Callable[..., Any], options: LoadOptions) -> LoadResult:
+        """Collective: read what ``want`` (an ``api.load.Want``) names, as
+        ``bcp.integration.load_wanted`` would."""
