@@ -15,6 +15,8 @@ import torch
 
 import bcp
 from bcp.storage import LocalStorage
+from bcp.tier import memory_tier
+from bcp.tier.placement import Placement
 from models import assert_bitwise, build, full_state, rank, train
 
 NODES = ["a", "a", "b", "b"]
@@ -129,3 +131,33 @@ def test_every_kth_save_is_an_ordinary_checkpoint_at_the_persistent_path(ranks, 
     for state, step, source, reason, reads, _ in ranks(2).run(load_tier, str(tmp_path), "fsdp2", ["a", "b"]):
         assert_bitwise(saved[0][4], state)  # the tier holds the newest save (2 ranks, one per node)
         assert step == 4 and source == "memory" and reads == 0, reason
+
+
+@pytest.mark.parametrize("nodes,replicas", [(["a", "a", "b", "b"], 1), (["a", "b", "c", "a", "b"], 2),
+                                            (["a", "a", "a", "b", "c", "c"], 1)])
+def test_no_rank_copies_its_files_to_its_own_node(nodes, replicas):
+    placement = Placement.of(nodes, replicas)
+    for sender in range(len(nodes)):
+        receivers = placement.receivers(sender)
+        assert len({nodes[r] for r in receivers}) == replicas and nodes[sender] not in {nodes[r] for r in receivers}
+        assert all(sender in placement.senders(r) for r in receivers)
+
+
+def test_more_copies_than_other_nodes_are_capped():
+    assert Placement.of(["a", "a", "b"], 3).replicas == 1
+    assert Placement.of(["a", "a"], 1).receivers(0) == []
+
+
+def test_a_machine_without_dev_shm_asks_for_a_local_dir(monkeypatch, tmp_path):
+    monkeypatch.setattr(memory_tier, "SHM", str(tmp_path / "no-shm"))
+    with pytest.raises(bcp.CheckpointError, match="does not exist on this machine: pass MemoryTier\\(local_dir=...\\)"):
+        bcp.save(bcp.MemoryTier(), {"model": {"w": torch.zeros(2)}})
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(bcp.CheckpointError, match="persist_every"):
+        bcp.MemoryTier(persist_every=0)
+    with pytest.raises(bcp.CheckpointError, match="replicas"):
+        bcp.MemoryTier(replicas=-1)
+    with pytest.raises(bcp.CheckpointError, match="one per rank"):
+        bcp.save(bcp.MemoryTier(local_dir="unused", nodes=["a", "b"]), {"model": {"w": torch.zeros(2)}})
