@@ -63,8 +63,8 @@ def load_tier(root: str, kind: str, nodes: list[str]) -> tuple:
     CountingStorage.reads = 0
     state = {"model": model, "optimizer": optimizer, "extra_state": {"step": -1}}
     result = bcp.load(_tier(root, nodes), state)
-    return (full_state(model, optimizer), state["extra_state"]["step"], result.source, result.source_reason, CountingStorage.reads,
-            result.stats.received_bytes)
+    return (full_state(model, optimizer), state["extra_state"]["step"], result.source, result.source_reason,
+            CountingStorage.reads, result.stats.received_bytes)
 
 
 def load_path(path: str, kind: str) -> tuple:

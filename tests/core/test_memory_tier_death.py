@@ -20,7 +20,7 @@ import torch.distributed as dist
 import bcp
 import bcp.tier.local
 import bcp.tier.replication
-from dying_coordinator import die
+from dying_coordinator import die, reap
 
 pytestmark = pytest.mark.distributed  # processes of its own, outside the rank pool
 
@@ -45,8 +45,8 @@ def rank_main(rank: int, port: int, root: str, job: str, answers: "mp.Queue") ->
     if job == "load":
         state = _state(0.0, rank)
         result = bcp.load(_tier(root), state)
-        answers.put((rank, result.source, state["extra_state"]["saved"], bool((state["model"]["w"] ==
-                                                                                  state["extra_state"]["saved"]).all())))
+        saved = state["extra_state"]["saved"]
+        answers.put((rank, result.source, saved, bool((state["model"]["w"] == saved).all())))
         dist.destroy_process_group()
         return
     bcp.save(_tier(root), _state(1.0, rank))  # generation 1, committed on both nodes
@@ -81,13 +81,7 @@ def _run(root: str, job: str, answering: int) -> tuple[list, list]:
             got.append(answers.get(timeout=CASE_LIMIT_S))
     except queue.Empty:
         got.append(("no answer: a rank hung",))
-    for p in procs:
-        p.join(timeout=30)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    codes = reap(procs)
     return got, codes
 
 
