@@ -1,4 +1,5 @@
-"""A rank SIGKILLed during a memory-tier save (2 ranks as 2 nodes, processes of this test's own): the
+"""A rank SIGKILLed during a memory-tier save (2 ranks as 2 nodes, processes of this test's own; sync,
+and async where the copies are made on the background lane): the
 survivor fails with a ``DistributedError`` instead of hanging, and a fresh job then loads a whole
 generation from the tier, never a partial one: the previous one when the victim died before any
 node marked the new one, the new one when it died after its peer marked it (every copy had been
@@ -37,7 +38,7 @@ def _state(value: float, rank: int) -> dict:
     return {"model": {"w": torch.full((1000,), value)}, "extra_state": {"saved": value, "rank": rank}}
 
 
-def rank_main(rank: int, port: int, root: str, job: str, answers: "mp.Queue") -> None:
+def rank_main(rank: int, port: int, root: str, job: str, async_save: bool, answers: "mp.Queue") -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
@@ -56,7 +57,7 @@ def rank_main(rank: int, port: int, root: str, job: str, answers: "mp.Queue") ->
         else:  # "mark": every copy made and agreed, the peer marks, this node does not
             bcp.tier.local.NodeLocation.commit_encoded = lambda *args, **kwargs: die()
     try:
-        bcp.save(_tier(root), _state(2.0, rank))
+        bcp.save(_tier(root), _state(2.0, rank), async_save=async_save).wait()
         answers.put((rank, "saved", False, ""))
     except Exception as exc:
         answers.put((rank, type(exc).__name__, isinstance(exc, bcp.CheckpointError), str(exc)))
@@ -68,11 +69,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(root: str, job: str, answering: int) -> tuple[list, list]:
+def _run(root: str, job: str, answering: int, async_save: bool = False) -> tuple[list, list]:
     ctx = mp.get_context("spawn")
     answers = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, port, root, job, answers), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=rank_main, args=(r, port, root, job, async_save, answers), daemon=True)
+             for r in range(2)]
     for p in procs:
         p.start()
     got = []
@@ -85,9 +87,10 @@ def _run(root: str, job: str, answering: int) -> tuple[list, list]:
     return got, codes
 
 
-@pytest.mark.parametrize("death,loads", [("replicate", 1.0), ("mark", 2.0)])
-def test_a_rank_killed_during_a_tier_save_leaves_a_whole_generation(tmp_path, death, loads):
-    got, codes = _run(str(tmp_path), death, 1)
+@pytest.mark.parametrize("death,async_save,loads", [("replicate", False, 1.0), ("mark", False, 2.0),
+                                                   ("replicate", True, 1.0)])
+def test_a_rank_killed_during_a_tier_save_leaves_a_whole_generation(tmp_path, death, async_save, loads):
+    got, codes = _run(str(tmp_path), death, 1, async_save)
     assert codes[VICTIM] == -signal.SIGKILL, f"the victim did not die as planned: {codes}, {got}"
     (survivor, kind, is_checkpoint_error, message), = got
     assert survivor == 1 - VICTIM and kind == "DistributedError" and is_checkpoint_error, got
