@@ -1,9 +1,9 @@
 """A rank SIGKILLed during a memory-tier save (2 ranks as 2 nodes, processes of this test's own; sync,
-and async where the copies are made on the background lane): the
-survivor fails with a ``DistributedError`` instead of hanging, and a fresh job then loads a whole
-generation from the tier, never a partial one: the previous one when the victim died before any
-node marked the new one, the new one when it died after its peer marked it (every copy had been
-made by then, so the survivor's folder holds all of it)."""
+and async, where the copies are made on the background lane): the survivor fails with a
+``DistributedError`` instead of hanging, and a fresh job then loads a whole generation from the
+tier, never a partial one: the previous one when the victim died before any node marked the new
+one, the new one when it died after its peer marked it (every copy had been made by then, so the
+survivor's folder holds all of it)."""
 
 from __future__ import annotations
 
