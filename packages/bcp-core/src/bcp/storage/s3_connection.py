@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -81,7 +82,8 @@ class S3Settings:
 
 
 class S3Connection:
-    """A bucket's botocore client (``client``), obstore store (``store``) and request cap (``slots``)."""
+    """A bucket's botocore client (``client``), obstore store (``store``), request cap (``slots``) and
+    threads for parallel reads (``fetches``)."""
 
     def __init__(self, bucket: str, settings: S3Settings) -> None:
         import botocore.config
@@ -101,6 +103,9 @@ class S3Connection:
         self.bucket, self.region, self.addressing_style = bucket, region, style
         self.ca_bundle: str | None = settings.ca_bundle or session.get_config_variable("ca_bundle")
         self.slots = RequestSlots(settings.max_requests)
+        self.fetches = ThreadPoolExecutor(settings.max_requests, thread_name_prefix="bcp-s3-get")
+        """Threads for the ranged GETs of the store's reads, one per request slot: each GET runs on
+        its own and waits for one slot, whoever asked for it."""
         self._session = session
         self.client = session.create_client(
             "s3", region_name=region, endpoint_url=endpoint, verify=self.ca_bundle,
