@@ -10,6 +10,7 @@ import itertools
 import bcp
 import pytest
 import torch
+from bcp.layout.manifest import ByteRange
 from bcp.storage import S3Storage
 from bcp.storage.range_reads import cut_views, request_spans
 from bcp.storage.s3 import S3Objects
@@ -53,13 +54,18 @@ def test_rows_saved_columns_loaded_bitwise_from_the_fetched_buffers(s3_url, s3_e
     assert view_reads and sum(view_reads) == result.stats.bytes  # every byte read went this way
 
 
-def test_a_flipped_byte_read_through_the_fetched_buffers_is_detected_and_named(s3_url, s3_env, view_reads):
-    _saved(s3_url)
-    manifest = read_manifest(s3_url)
+def _saved_data_file(url: str) -> tuple[S3Storage, str, ByteRange, bytearray]:
+    """Saves the matrix; the storage, name, the tensor's stored range and the bytes of its data file."""
+    _saved(url)
+    manifest = read_manifest(url)
     stored = manifest.tensors["model/w"].shards[0].bytes
-    storage = S3Storage(s3_url)
+    storage = S3Storage(url)
     name = f"gen-{manifest.generation:08d}/{manifest.files[stored.file]}"
-    data = bytearray(storage.read_bytes(name))
+    return storage, name, stored, bytearray(storage.read_bytes(name))
+
+
+def test_a_flipped_byte_read_through_the_fetched_buffers_is_detected_and_named(s3_url, s3_env, view_reads):
+    storage, name, stored, data = _saved_data_file(s3_url)
     data[stored.offset + (2 * COLUMNS + 900_000) * 4] ^= 0x10  # row 2, a column of the third piece
     storage.write_file(name, [memoryview(data)])
     with pytest.raises(bcp.CorruptCheckpointError, match=r"checksum mismatch in data/.*'model/w'"):
@@ -68,12 +74,7 @@ def test_a_flipped_byte_read_through_the_fetched_buffers_is_detected_and_named(s
 
 
 def test_a_truncated_object_read_through_the_fetched_buffers_names_its_tensor(s3_url, s3_env, view_reads):
-    _saved(s3_url)
-    manifest = read_manifest(s3_url)
-    stored = manifest.tensors["model/w"].shards[0].bytes
-    storage = S3Storage(s3_url)
-    name = f"gen-{manifest.generation:08d}/{manifest.files[stored.file]}"
-    data = storage.read_bytes(name)
+    storage, name, stored, data = _saved_data_file(s3_url)
     storage.write_file(name, [memoryview(data)[:stored.offset + stored.nbytes // 2]])
     with pytest.raises(bcp.CorruptCheckpointError, match=r"truncated.*'model/w'"):
         bcp.load(s3_url, {"model": {"w": _column_pieces()}})
