@@ -38,8 +38,8 @@ from bcp.planning.pieces import pieces_of, tensor_meta
 from bcp.planning.read_once import assign_readers
 from bcp.storage import Storage
 
-def load(path: "str | os.PathLike | Storage | CheckpointTarget", state: dict[str, Any], options: LoadOptions | None = None,
-         **keywords: Any) -> LoadResult:
+def load(path: "str | os.PathLike | Storage | CheckpointTarget", state: dict[str, Any],
+         options: LoadOptions | None = None, **keywords: Any) -> LoadResult:
     """Load the newest committed checkpoint at ``path`` (or the kept ``generation``) into ``state``
     (in place).
 
@@ -88,8 +88,8 @@ class ReadSource(Protocol):
     """Where a load reads from when that is not one checkpoint path (a memory tier's node-local
     copies): how the checkpoint is opened, and what is fetched before this rank's reads run."""
 
-    #: The source as the metrics record and errors name it.
-    display: str
+    #: The source as the metrics record names it (a path, URL, Storage or words).
+    display: Any
 
     def open(self, coord: Coordinator, options: LoadOptions) -> Checkpoint:
         """Collective: the checkpoint every rank reads from (the same manifest on every rank)."""

@@ -48,8 +48,8 @@ from bcp.storage import Storage
 from bcp.version import __version__
 
 
-def save(path: "str | os.PathLike | Storage | CheckpointTarget", state: Mapping[str, Any], options: SaveOptions | None = None,
-         **keywords: Any) -> SaveHandle:
+def save(path: "str | os.PathLike | Storage | CheckpointTarget", state: Mapping[str, Any],
+         options: SaveOptions | None = None, **keywords: Any) -> SaveHandle:
     """Save ``state`` (a dict of components) to ``path``; every rank calls it with its own objects.
 
     Modules, optimizers and sharded tensors anywhere in the (nested) state are saved

@@ -22,7 +22,7 @@ from bcp.storage import LocalStorage, Storage, is_url
 from bcp.tier.commit import Persistence, TierCommit
 from bcp.tier.local import Held, NodeLocation, agree_on_generation, census, node_folder
 from bcp.tier.peer_source import PeerSource
-from bcp.tier.placement import Placement, node_of
+from bcp.tier.placement import Placement, launcher_node, node_of, split_shared_hosts
 from bcp.tier.recovery import choose
 
 logger = logging.getLogger("bcp")
@@ -41,7 +41,8 @@ class MemoryTier:
     folders), else the ``persistent`` checkpoint, where every ``persist_every``-th save is copied.
 
     ``persistent``: a path, URL or Storage (None: memory only). ``nodes``: the node id of each rank
-    (default: ``BCP_NODE``, else the host name). ``name``: the folder under ``/dev/shm`` when
+    (default: ``BCP_NODE``, else the host name, told apart by torchrun's node rank where several
+    launcher nodes share a host). ``name``: the folder under ``/dev/shm`` when
     ``local_dir`` is not given (default: derived from ``persistent``). Picklable."""
 
     persistent: "str | os.PathLike | Storage | None" = None
@@ -127,8 +128,9 @@ class MemoryTier:
         """Every rank's node id (collective where they come from each rank's host)."""
         if self.nodes is not None:
             return [node_of(rank, coord.world_size, self.nodes) for rank in range(coord.world_size)]
-        return all_agree(coord, Outcome.of(lambda: node_of(coord.rank, coord.world_size, None)),
-                         f"finding the nodes of {self.display}")
+        found = all_agree(coord, Outcome.of(lambda: [node_of(coord.rank, coord.world_size, None), launcher_node()]),
+                          f"finding the nodes of {self.display}")
+        return split_shared_hosts([(node, group) for node, group in found])
 
     def _node_location(self, node: str, role: str | None) -> NodeLocation:
         base = resolve(LocalStorage(node_folder(self.folder, node)), role)

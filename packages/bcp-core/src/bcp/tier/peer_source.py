@@ -12,7 +12,7 @@ from typing import Iterator
 from bcp.api.checkpoint import Checkpoint
 from bcp.api.options import LoadOptions
 from bcp.coord import Coordinator
-from bcp.coord.consensus import Outcome, all_agree
+from bcp.coord.consensus import Outcome, all_agree, broadcast_from_root
 from bcp.engine.location import Location, generation_dir
 from bcp.layout.manifest import Manifest
 from bcp.layout.read_op import ReadOp
@@ -36,13 +36,9 @@ class PeerSource:
         self._overlay: OverlayStorage | None = None
 
     def open(self, coord: Coordinator, options: LoadOptions) -> Checkpoint:
-        generation, provider = self.generation, min(self.choice.holding)
+        generation = self.generation
         where = f"{self.display}/{generation_dir(generation)}"
-
-        def read() -> list[bytes] | None:
-            return list(self.folder.read_manifest_files(generation)) if coord.rank == provider else None
-
-        data, table = all_agree(coord, Outcome.of(read), f"opening {where}")[provider]
+        data, table = self._manifest_files(coord, f"opening {where}")
         manifest = Manifest.decode(data, table, path=where)
         own = {name for name, ranks in self.choice.holders.items() if coord.rank in ranks}
         storage = self.folder.storage
@@ -52,6 +48,30 @@ class PeerSource:
                                         for name, size in self.choice.sizes.items()})
         location = Location(self._overlay, self.folder.prefix, self.display, self.folder.keep_generations)
         return Checkpoint(location, generation, manifest, verify=options.verify, io_threads=options.io_threads)
+
+    def _manifest_files(self, coord: Coordinator, what: str) -> list[bytes]:
+        """The manifest's and shard table's bytes on every rank: read by the lowest rank whose folder
+        committed the generation, sent to rank 0 if that is another rank, broadcast from there."""
+        provider = min(self.choice.holding)
+        read = Outcome.of(lambda: list(self.folder.read_manifest_files(self.generation))) \
+            if coord.rank == provider else Outcome()
+        if provider != 0:
+            sizes = all_agree(coord, Outcome([len(part) for part in read.value] if read.value else None, read.error),
+                              what)[provider]
+            blob = b"".join(read.value) if read.value else b""
+            parts: list[memoryview] = []
+
+            def send(transfer: Transfer, start: int, into: memoryview) -> None:
+                into[:] = blob[start:start + into.nbytes]
+
+            def received(transfer: Transfer, chunks: Iterator[memoryview]) -> None:
+                parts.extend(bytes(chunk) for chunk in chunks)
+
+            moved = Outcome.of(lambda: run_transfers(coord, [Transfer(provider, 0, "manifest", 0, sum(sizes))],
+                                                     send, received))
+            joined = b"".join(parts)
+            read = Outcome([joined[:sizes[0]], joined[sizes[0]:]] if coord.rank == 0 else None, moved.error)
+        return broadcast_from_root(coord, read, what)
 
     def gather(self, coord: Coordinator, checkpoint: Checkpoint, ops: list[ReadOp] | None) -> None:
         overlay = self._overlay

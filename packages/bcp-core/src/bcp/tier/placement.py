@@ -24,7 +24,8 @@ _warned: set[tuple[int, int]] = set()  # (replicas asked, nodes): said once per 
 
 
 def node_of(rank: int, world_size: int, nodes: Sequence[str] | None) -> str:
-    """This rank's node id: ``nodes[rank]``, else ``BCP_NODE``, else the host name."""
+    """This rank's node id: ``nodes[rank]``, else ``BCP_NODE``, else the host name (see
+    :func:`split_shared_hosts` for several launcher nodes on one host)."""
     if nodes is not None:
         if len(nodes) != world_size:
             raise CheckpointError(f"MemoryTier(nodes=...) names {len(nodes)} node(s), one per rank is needed "
@@ -35,6 +36,20 @@ def node_of(rank: int, world_size: int, nodes: Sequence[str] | None) -> str:
     if not isinstance(node, str) or not _NODE_ID.fullmatch(node):
         raise CheckpointError(f"invalid node id {node!r}: use letters, digits, '_', '-' and '.'")
     return node
+
+
+def launcher_node() -> str | None:
+    """The launcher's node rank of this process (torchrun's ``GROUP_RANK``), if it set one."""
+    return os.environ.get("GROUP_RANK")
+
+
+def split_shared_hosts(found: Sequence[tuple[str, str | None]]) -> list[str]:
+    """Every rank's node id from its (id, launcher node rank): ranks that share an id but were
+    started as different launcher nodes (``torchrun --nnodes 2`` on one host) are different nodes."""
+    launcher_nodes: dict[str, set] = {}
+    for node, group in found:
+        launcher_nodes.setdefault(node, set()).add(group)
+    return [f"{node}-{group}" if len(launcher_nodes[node]) > 1 else node for node, group in found]
 
 
 @dataclass(frozen=True, slots=True)
