@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 
 import pytest
 
@@ -32,6 +31,7 @@ from accelerate_helpers import (
     train,
 )
 from models import read_manifest
+from tier_copies import copy_losing
 
 NODES = ("n0", "n1")
 
@@ -56,18 +56,6 @@ def saved(ranks, tmp_path_factory) -> tuple[str, list[dict]]:
     return root, ranks(2).run(save_to_the_tier, tier(f"{root}/run"))
 
 
-def a_copy(root: str, name: str, lost: tuple[str, ...], persistent: bool) -> str:
-    """A copy of the saved tier whose ``lost`` nodes' folders (and the persistent copy, unless
-    ``persistent``) are gone."""
-    copy = f"{root}/{name}"
-    shutil.copytree(f"{root}/run", copy)
-    for node in lost:
-        shutil.rmtree(f"{copy}/shm/node-{node}")
-    if not persistent:
-        shutil.rmtree(f"{copy}/persistent")
-    return copy
-
-
 def test_accelerates_files_are_in_the_checkpoint_not_beside_it(saved):
     root, _ = saved
     assert sorted(os.listdir(f"{root}/run/shm")) == ["node-n0", "node-n1"]
@@ -78,20 +66,20 @@ def test_accelerates_files_are_in_the_checkpoint_not_beside_it(saved):
 
 def test_a_replaced_node_resumes_from_peer_copies_exactly(ranks, saved):
     root, snapshots = saved
-    copy = a_copy(root, "replaced", lost=("n1",), persistent=False)
+    copy = copy_losing(root, "replaced", lost=("n1",), persistent=False)
     ranks(2).run(resume_matches_uninterrupted, tier(copy), snapshots, False)
 
 
 def test_one_process_resumes_from_the_surviving_node(ranks, saved):
     root, snapshots = saved
-    copy = a_copy(root, "fewer", lost=("n1",), persistent=False)
+    copy = copy_losing(root, "fewer", lost=("n1",), persistent=False)
     losses = ranks(1).run(load_on_one_process, tier(copy, NODES[:1]), snapshots[0])[0]
     assert len(losses) == STEPS - SAVED_AT and all(math.isfinite(loss) for loss in losses)
 
 
 def test_with_both_nodes_lost_the_persistent_copy_restores_everything(ranks, saved):
     root, snapshots = saved
-    copy = a_copy(root, "both_lost", lost=NODES, persistent=True)
+    copy = copy_losing(root, "both_lost", lost=NODES, persistent=True)
     ranks(2).run(resume_matches_uninterrupted, tier(copy), snapshots, False)
 
 

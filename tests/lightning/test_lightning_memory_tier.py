@@ -1,7 +1,8 @@
-"""Lightning fits checkpointing into bcp's memory tier (``MemoryTierCheckpoint``) and resuming
-from it (``trainer.fit(ckpt_path=tier)``): real Trainers under ``BCPDDPStrategy`` on 2 processes,
-simulated as 2 nodes of 1 rank (``MemoryTier(nodes=...)``, a node-local folder each under a
-temporary ``local_dir``).
+"""Lightning fits checkpointing into bcp's memory tier (``BCPCheckpointIO(memory_tier=...)`` with
+``MemoryTierCheckpoint``) and resuming from it (``trainer.fit(ckpt_path=MEMORY_TIER)``): real
+Trainers under ``BCPDDPStrategy`` on 2 processes, simulated as 2 nodes of 1 rank
+(``MemoryTier(nodes=...)``, a node-local folder each under a temporary ``local_dir``), and on one
+device with the plugin alone.
 
 One run saves every 2 steps to the tier (generations at steps 2, 4, 6, 8; the 3rd, step 6, also
 to the persistent checkpoint) and stops at step 8; copies of its tier then lose one node's folder,
@@ -16,8 +17,6 @@ tier's resumes train with its losses, step for step (mid-epoch: the train loader
 
 from __future__ import annotations
 
-import shutil
-
 import lightning as L
 import pytest
 import torch
@@ -27,6 +26,7 @@ from bcp_lightning import MEMORY_TIER, BCPCheckpointIO, MemoryTierCheckpoint
 from lightning_launch import run
 from lightning_worker import Data, LitMLP, full_state
 from models import assert_bitwise
+from tier_copies import copy_losing
 
 pytestmark = pytest.mark.distributed
 
@@ -56,12 +56,9 @@ def runs(tmp_path_factory) -> dict:
     first = run(2, [fit_tier(tier(root, "run", NODES), STOPPED_AT), fit_lightning(f"{root}/files", STOPPED_AT),
                     {"case": "tier_error", "args": {"strategy": "ddp", "tier": tier(root, "refused", NODES)}}],
                 f"{root}/launch-first")
-    for copy in ("replaced", "fewer", "both_lost"):
-        shutil.copytree(f"{root}/run", f"{root}/{copy}")
     for copy in ("replaced", "fewer"):
-        shutil.rmtree(f"{root}/{copy}/shm/node-n1")  # the node is lost
-        shutil.rmtree(f"{root}/{copy}/persistent")  # so nothing can come from storage
-    shutil.rmtree(f"{root}/both_lost/shm")
+        copy_losing(root, copy, lost=("n1",), persistent=False)
+    copy_losing(root, "both_lost", lost=tuple(NODES), persistent=True)
     resumed = run(2, [fit_tier(tier(root, "replaced", NODES), TOTAL, resume=True),
                       fit_tier(tier(root, "both_lost", NODES), TOTAL, resume=True),
                       fit_lightning(f"{root}/files-8", TOTAL, resume=f"{root}/files/step={STOPPED_AT}.ckpt"),

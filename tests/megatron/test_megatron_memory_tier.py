@@ -14,7 +14,6 @@ copy loads, common state included."""
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ import bcp_megatron
 from megatron_parts import (assemble, assert_bitwise, cpu_megatron_optimizer, distributed_optimizer, gpt,
                             main_pieces, parallel, prime_for_load, restore_steps, scramble, sharded_state)
 from megatron_training import train_step
+from tier_copies import copy_losing
 
 FULLY_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 TRAINED_STEPS = 2
@@ -73,19 +73,9 @@ def saved(ranks, tmp_path_factory) -> tuple[str, list]:
     return root, ranks(4).run(save, tier(f"{root}/run", NODES))
 
 
-def a_copy(root: str, name: str, lost: tuple[str, ...], persistent: bool) -> str:
-    copy = f"{root}/{name}"
-    shutil.copytree(f"{root}/run", copy)
-    for node in lost:
-        shutil.rmtree(f"{copy}/shm/node-{node}")
-    if not persistent:
-        shutil.rmtree(f"{copy}/persistent")
-    return copy
-
-
 def test_a_replaced_node_resumes_bitwise_from_peer_copies(ranks, saved):
     root, per_rank = saved
-    copy = a_copy(root, "replaced", lost=("n1",), persistent=False)
+    copy = copy_losing(root, "replaced", lost=("n1",), persistent=False)
     resumed = ranks(4).run(resume, tier(copy, NODES), 2)
     for (pieces, next_loss), rank in zip(per_rank, resumed):
         assert rank["iteration"] == TRAINED_STEPS
@@ -95,7 +85,7 @@ def test_a_replaced_node_resumes_bitwise_from_peer_copies(ranks, saved):
 
 def test_the_surviving_node_alone_resumes_resharded(ranks, saved):
     root, per_rank = saved
-    copy = a_copy(root, "fewer", lost=("n1",), persistent=False)
+    copy = copy_losing(root, "fewer", lost=("n1",), persistent=False)
     resumed = ranks(2).run(resume, tier(copy, NODES[:2]), 2)
     assert_bitwise(assemble([pieces for pieces, _ in per_rank]), assemble([rank["pieces"] for rank in resumed]))
     for rank in resumed:
@@ -105,7 +95,7 @@ def test_the_surviving_node_alone_resumes_resharded(ranks, saved):
 
 def test_with_both_nodes_lost_the_persistent_copy_loads(ranks, saved):
     root, per_rank = saved
-    copy = a_copy(root, "both_lost", lost=("n0", "n1"), persistent=True)
+    copy = copy_losing(root, "both_lost", lost=("n0", "n1"), persistent=True)
     resumed = ranks(4).run(resume, tier(copy, NODES), 2)
     for (pieces, next_loss), rank in zip(per_rank, resumed):
         assert rank["iteration"] == TRAINED_STEPS
