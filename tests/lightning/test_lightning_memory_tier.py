@@ -116,9 +116,11 @@ def _single_device_fit(plugin: BCPCheckpointIO, max_steps: int, **fit_args) -> L
     return trainer
 
 
-def test_on_one_device_the_plugin_saves_to_its_tier_and_resumes_from_it(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_on_one_device_the_plugin_saves_to_its_tier_and_resumes_from_it(tmp_path, async_save):
     memory_tier = bcp.MemoryTier(tmp_path / "persistent", local_dir=tmp_path / "shm", persist_every=100)
-    saved = full_state(_single_device_fit(BCPCheckpointIO(memory_tier=memory_tier), max_steps=4))
+    saved = full_state(_single_device_fit(BCPCheckpointIO(memory_tier=memory_tier, async_save=async_save),
+                                          max_steps=4))
     plugin = BCPCheckpointIO(memory_tier=memory_tier)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, plugins=[plugin], logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
