@@ -43,11 +43,11 @@ def install() -> None:
     original = cls.prepare_data_loader
 
     @functools.wraps(original)
-    def prepare_data_loader(self: accelerate.Accelerator, *args: Any, **kwargs: Any) -> Any:
-        loader = original(self, *args, **kwargs)
-        if is_stateful(loader) and (sampler := drawing_sampler(loader)) is not None:
+    def prepare_data_loader(self: accelerate.Accelerator, data_loader: Any, *args: Any, **kwargs: Any) -> Any:
+        # before accelerate wraps it: its stateful loader makes its first iterator (and draws) right away
+        if (sampler := drawing_sampler(data_loader)) is not None:
             follow_order(sampler)
-        return loader
+        return original(self, data_loader, *args, **kwargs)
 
     setattr(prepare_data_loader, _FOLLOWS, True)
     cls.prepare_data_loader = prepare_data_loader
