@@ -49,6 +49,7 @@ class CheckpointIOMixin:
                                   verify_replicas=verify_replicas, io_threads=io_threads,
                                   keep_generations=keep_generations, load_generation=load_generation)
         self._pending = PendingSaves()
+        loader_states.install()  # shuffled train loaders: follow their draws from the first fit on
 
     # Lightning's CheckpointIO interface.
 
