@@ -63,3 +63,15 @@ def test_a_resume_on_another_number_of_processes_trains_on_every_sample_once(fir
         before = [i for rank in saved for i in rank[k][:SAVED_AT * 4]]
         after = [i for rank in resumed for i in rank[k]]
         assert sorted(before + after) == list(range(96)), setup
+
+
+def test_ranks_that_draw_different_permutations_are_refused(tmp_path):
+    """Each rank's shuffled loader seeds its generator from its own global RNG: seeded per rank, the
+    ranks cut their shards out of different permutations, which no checkpoint can resume exactly;
+    the fit is refused on every rank as it sets its loader up, not checkpointed silently."""
+    messages = run(2, [{"case": "fit_ids_error", "args": {"dirpath": str(tmp_path), "shuffle": True,
+                                                          "sampler": "lightning", "seed": "per_rank"}}],
+                   str(tmp_path / "launch"))
+    for rank in messages:
+        assert rank[0].startswith("CheckpointError: the train dataloader's RandomSampler has a different generator "
+                                  "state on each rank")

@@ -24,6 +24,7 @@ A save of a shuffled loader whose draw was not seen is refused.
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib
 import weakref
 from typing import Any, Mapping
@@ -33,6 +34,7 @@ import torch
 import bcp
 from bcp.integration import batches_yielded, draws_its_order, drawn_from, follow_order, replay_order, reshard_states
 from bcp.integration import DATALOADER_COMPONENT as COMPONENT
+from bcp.integration import default_coordinator
 
 _PATH = ("loops", "fit_loop", "state_dict")
 _KEY = "combined_loader"
@@ -198,6 +200,7 @@ def _following(original: Any) -> Any:
         sampler = drawing_sampler(loader)
         if sampler is not None:
             follow_order(sampler)
+            _check_ranks_draw_alike(sampler)
         restoring = getattr(trainer.fit_loop, "_combined_loader_states_to_load", None)
         if _stateful(loader) and restoring is not None and restoring is _FOLLOWED.states and _FOLLOWED.draws:
             draw = _FOLLOWED.draws.pop(0)  # the loaders come in the order of their saved states
@@ -212,14 +215,33 @@ def _following(original: Any) -> Any:
     return process_dataloader
 
 
+def _check_ranks_draw_alike(sampler: Any) -> None:
+    """Every rank cuts its shard out of the permutation its own sampler draws: refused, on every rank
+    (the fit sets its loaders up in step), where the ranks' generators differ, since the epoch is then
+    no permutation of the dataset and no checkpoint of it can be resumed exactly."""
+    generator = getattr(sampler, "generator", None)
+    if generator is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+            or torch.distributed.get_world_size() == 1:
+        return
+    digests = default_coordinator().all_gather_bytes(hashlib.sha256(generator.get_state().numpy().tobytes()).digest())
+    if len(set(digests)) > 1:
+        raise bcp.CheckpointError(
+            f"the train dataloader's {type(sampler).__name__} has a different generator state on each rank, so each "
+            "rank draws its own permutation and cuts its shard out of it: an epoch is no permutation of the dataset "
+            "(samples are skipped and repeated), and a checkpoint of it cannot be resumed exactly. Seed every rank "
+            "alike before the loader is built (lightning.seed_everything), or give the loader a seeded generator",
+            key=COMPONENT)
+
+
 def drawing_sampler(loader: Any) -> Any:
     """The sampler of a train loader that draws its order from a moving generator, or None: the
-    loader's own, or the one Lightning's ``DistributedSamplerWrapper`` wraps."""
-    sampler = getattr(loader, "sampler", None)
-    wrapped = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's _DatasetSamplerWrapper
-    for candidate in (sampler, wrapped):
-        if candidate is not None and draws_its_order(candidate):
-            return candidate
+    loader's or its batch sampler's (Lightning rebuilds torchdata's batch sampler around the sampler it
+    puts in), or the one Lightning's ``DistributedSamplerWrapper`` wraps."""
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        wrapped = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's _DatasetSamplerWrapper
+        for candidate in (sampler, wrapped):
+            if candidate is not None and draws_its_order(candidate):
+                return candidate
     return None
 
 
