@@ -66,8 +66,8 @@ def why_opaque(loader: Any) -> str:
     if not isinstance(loader, DataLoader):
         return f"a {type(loader).__name__} is not a torch DataLoader"
     if isinstance(loader.dataset, IterableDataset):
-        return ("its iterable dataset's read workers hold their positions within the old ranks' shards of the stream "
-                "(a dataset implementing bcp.ReshardableIterableDataset is resharded)")
+        return ("its iterable dataset's read workers hold their positions within the old ranks' shards of the stream, "
+                "and the dataset does not implement bcp.ReshardableIterableDataset")
     return (f"its sampler is a {type(loader.sampler).__name__}: bcp reads the position of a map-style dataset's "
             "loader whose sampler is bcp.ResumableDistributedSampler or torch's DistributedSampler")
 
