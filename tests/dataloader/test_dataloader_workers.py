@@ -1,12 +1,14 @@
 """Loaders with read-worker processes (2 workers, default prefetch) save what the trainer consumed,
 not what their workers read ahead: a torch DataLoader and a torchdata StatefulDataLoader with
-bcp.ResumableDistributedSampler, and a StatefulDataLoader with torch's DistributedSampler, each
-shuffled, consume 6 batches per rank on 2 gloo ranks and save; resumed on 2, 1, 3 or 4 ranks, the
-samples before the save and after it are every sample exactly once, and on 2 ranks each rank
-continues with the very batches of the uninterrupted run.
+bcp.ResumableDistributedSampler, a StatefulDataLoader with torch's DistributedSampler, and a torch
+DataLoader whose bcp sampler is saved on its own (the bare sampler in the entry), each shuffled,
+consume 6 batches per rank on 2 gloo ranks and save; resumed on 2, 1, 3 or 4 ranks, the samples
+before the save and after it are every sample exactly once, and on 2 ranks each rank continues
+with the very batches of the uninterrupted run.
 
 The defect this guards: the sampler counted the indices handed to the workers, which prefetch
-``num_workers x prefetch_factor`` batches ahead, so a resume skipped the samples read ahead."""
+``num_workers x prefetch_factor`` batches ahead, so a resume skipped the samples read ahead (saved
+on its own, the sampler went on doing so after the loader in the entry was fixed)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
 
 SIZE, BATCH, WORKERS, EPOCH = 96, 4, 2, 1
 CONSUMED = 6  # batches per rank before the save: 48 samples, a whole number of batches on 1, 2, 3 and 4 ranks
-KINDS = ("DataLoader+bcp sampler", "StatefulDataLoader+bcp sampler", "StatefulDataLoader+DistributedSampler")
+KINDS = ("DataLoader+bcp sampler", "StatefulDataLoader+bcp sampler", "StatefulDataLoader+DistributedSampler",
+         "DataLoader+bcp sampler, the bare sampler in the entry")
 
 
 class Ids(Dataset):
@@ -34,7 +37,7 @@ class Ids(Dataset):
 
 
 def _loader(kind: str, rank: int, world: int, epoch: int = EPOCH) -> DataLoader:
-    if kind.endswith("bcp sampler"):
+    if "bcp sampler" in kind:
         sampler = bcp.ResumableDistributedSampler(SIZE, dp_rank=rank, dp_size=world, shuffle=True, seed=7)
     else:
         sampler = DistributedSampler(Ids(), num_replicas=world, rank=rank, shuffle=True, seed=7)
@@ -43,8 +46,9 @@ def _loader(kind: str, rank: int, world: int, epoch: int = EPOCH) -> DataLoader:
     return cls(Ids(), batch_size=BATCH, sampler=sampler, num_workers=WORKERS)
 
 
-def _entry(loader: DataLoader, rank: int, world: int) -> dict:
-    return {"dataloader": bcp.DataloaderState(loader, dp_rank=rank, dp_size=world)}
+def _entry(loader: DataLoader, rank: int, world: int, kind: str = "") -> dict:
+    saved = loader.sampler if kind.endswith("the bare sampler in the entry") else loader
+    return {"dataloader": bcp.DataloaderState(saved, dp_rank=rank, dp_size=world)}
 
 
 def save_mid_epoch(folder: str) -> dict[str, tuple[list[int], list[int]]]:
@@ -53,7 +57,7 @@ def save_mid_epoch(folder: str) -> dict[str, tuple[list[int], list[int]]]:
     out = {}
     for kind in KINDS:
         loader = _loader(kind, rank, world)
-        state = _entry(loader, rank, world)  # built before iterating: a plain DataLoader's iterator is followed
+        state = _entry(loader, rank, world, kind)  # built before iterating: a plain DataLoader's iterator is followed
         batches = iter(loader)
         before = [i for _ in range(CONSUMED) for i in next(batches).tolist()]
         bcp.save(f"{folder}/{kind}", state)
@@ -68,7 +72,7 @@ def resume(folder: str) -> dict[str, list[int]]:
     out = {}
     for kind in KINDS:
         loader = _loader(kind, rank, world, epoch=0)
-        bcp.load(f"{folder}/{kind}", _entry(loader, rank, world))
+        bcp.load(f"{folder}/{kind}", _entry(loader, rank, world, kind))
         out[kind] = [i for batch in loader for i in batch.tolist()]
     return out
 

@@ -326,9 +326,12 @@ class IdsSeen(L.LightningModule):
         return StatefulDataLoader(ids, batch_size=4, sampler=sampler, num_workers=2)
 
 
-def fit_ids(dirpath: str, shuffle: bool, sampler: str, every: int = 0, resume_from: str | None = None) -> list[int]:
+def fit_ids(dirpath: str, shuffle: bool, sampler: str, every: int = 0, resume_from: str | None = None,
+            seed: str = "alike") -> list[int]:
     """One epoch of :class:`IdsSeen` under Lightning's DDPStrategy with BCPCheckpointIO, saving every
-    ``every`` steps; the ids this rank trained on."""
+    ``every`` steps; the ids this rank trained on. ``seed``: every rank's global RNG seeded alike
+    (a shuffled loader's sampler seeds its generator from it), or ``"per_rank"``."""
+    L.seed_everything(int(os.environ["LOCAL_RANK"]) if seed == "per_rank" else 0, verbose=False)
     saving = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every, save_top_k=-1, filename="{step}")]
     trainer = L.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=DDPStrategy(), plugins=[BCPCheckpointIO()],
                         max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -339,8 +342,17 @@ def fit_ids(dirpath: str, shuffle: bool, sampler: str, every: int = 0, resume_fr
     return module.seen
 
 
+def fit_ids_error(**args: Any) -> str:
+    """The message of the error :func:`fit_ids` raises."""
+    try:
+        fit_ids(**args)
+    except Exception as exc:  # the test asserts on the message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 CASES = {"fit": fit, "expect_error": expect_error, "count_collectives": count_collectives,
-         "pickle_model": pickle_model, "fit_ids": fit_ids, "fit_tier": fit_tier,
+         "pickle_model": pickle_model, "fit_ids": fit_ids, "fit_ids_error": fit_ids_error, "fit_tier": fit_tier,
          "tier_error": tier_error}
 
 

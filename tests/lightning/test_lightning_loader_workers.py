@@ -3,12 +3,14 @@ BCPCheckpointIO, checkpointed mid-epoch on 2 processes and resumed to the end of
 and 3: the samples trained on before the checkpoint and after the resume are every sample exactly
 once, and on 2 processes each rank trains on the very samples of the uninterrupted run. With the
 DistributedSampler Lightning puts in (which shuffles, seed 0: Lightning rebuilds torchdata's batch
-sampler around it), and with bcp's sampler shuffled and in order (``use_distributed_sampler=False``).
-A loader with ``shuffle=True`` draws its order from a generator instead: docs/dataloader.md.
+sampler around it), with a shuffled loader (``shuffle=True``: Lightning wraps its RandomSampler,
+which draws the epoch's permutation from its generator, in a DistributedSamplerWrapper), and with
+bcp's sampler shuffled and in order (``use_distributed_sampler=False``).
 
-The defect this guards: the plugin saved rank 0's loader state alone and every rank of a resume
+The defects this guards: the plugin saved rank 0's loader state alone and every rank of a resume
 on another number of processes skipped rank 0's count of its own shard, so samples were skipped
-or repeated silently."""
+or repeated silently; a shuffled loader's resume drew another permutation from a generator that
+had moved on, so samples were skipped and repeated silently on the same number of processes too."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from lightning_launch import run
 pytestmark = pytest.mark.distributed
 
 SAVED_AT, PER_RANK = 6, 48  # steps; 96 samples, batches of 4 on 2 processes: 12 steps an epoch
-SETUPS = {"Lightning's DistributedSampler": (False, "lightning"), "bcp's sampler, shuffled": (True, "bcp"),
+SETUPS = {"Lightning's DistributedSampler": (False, "lightning"), "a shuffled loader": (True, "lightning"),
+          "bcp's sampler, shuffled": (True, "bcp"),
           "bcp's sampler, in order": (False, "bcp")}
 
 
@@ -60,3 +63,15 @@ def test_a_resume_on_another_number_of_processes_trains_on_every_sample_once(fir
         before = [i for rank in saved for i in rank[k][:SAVED_AT * 4]]
         after = [i for rank in resumed for i in rank[k]]
         assert sorted(before + after) == list(range(96)), setup
+
+
+def test_ranks_that_draw_different_permutations_are_refused(tmp_path):
+    """Each rank's shuffled loader seeds its generator from its own global RNG: seeded per rank, the
+    ranks cut their shards out of different permutations, which no checkpoint can resume exactly;
+    the fit is refused on every rank as it sets its loader up, not checkpointed silently."""
+    messages = run(2, [{"case": "fit_ids_error", "args": {"dirpath": str(tmp_path), "shuffle": True,
+                                                          "sampler": "lightning", "seed": "per_rank"}}],
+                   str(tmp_path / "launch"))
+    for rank in messages:
+        assert rank[0].startswith("CheckpointError: the train dataloader's RandomSampler has a different generator "
+                                  "state on each rank")

@@ -16,7 +16,7 @@ import accelerate
 
 from bcp import CheckpointError
 import bcp
-from bcp_accelerate import generations
+from bcp_accelerate import dataloaders, generations
 from bcp_accelerate import memory_tier as memory_tier_module
 from bcp_accelerate.generations import DEFAULT_KEEP_GENERATIONS
 from bcp_accelerate.engine_variable import ENGINE_VARIABLE
@@ -67,7 +67,9 @@ def uses_bcp(accelerator: accelerate.Accelerator) -> bool:
 
 def install() -> None:
     """Let ``accelerate.Accelerator.save_state``/``load_state`` consult :func:`uses_bcp` on each call
-    (idempotent). While it says no, accelerate's own methods run, unchanged."""
+    (idempotent). While it says no, accelerate's own methods run, unchanged. The stateful
+    dataloaders prepared from then on are followed (``dataloaders.install``)."""
+    dataloaders.install()
     cls = accelerate.Accelerator
     if getattr(cls.save_state, _DISPATCHES, False):
         return

@@ -7,6 +7,7 @@ parallel layout loads into any other. See ``docs/format.md`` for the on-storage 
 from bcp.adapters import FrameworkAdapter, register_adapter
 from bcp.adapters.dataloader import DataloaderState, PartKey, ShardedDataloader, assign_parts
 from bcp.adapters.distributed_sampler import ResumableDistributedSampler
+from bcp.adapters.iterable_shards import ReshardableIterableDataset
 from bcp.adapters.token_stream import TokenStreamLoader
 from bcp.api import LoadOptions, LoadResult, PhaseStats, SaveHandle, SaveOptions, load, save, wait_pending_saves
 from bcp.api.runtime import shutdown
@@ -44,5 +45,5 @@ __all__ = [
     "AdapterError", "DistributedError", "SaveAbandonedError",
     "__version__",
     "DataloaderState", "ShardedDataloader", "PartKey", "assign_parts", "TokenStreamLoader",
-    "ResumableDistributedSampler",
+    "ResumableDistributedSampler", "ReshardableIterableDataset",
 ]

@@ -18,6 +18,8 @@ test walks their imports).
   ``nested_optimizer_state``/``flat_optimizer_values`` between them and torch's FQN-keyed dicts;
   ``adapter_for`` finds the registered adapter for live objects, by name, as ``bcp.save`` does;
   ``DATALOADER_COMPONENT`` is the state-dict entry ``bcp.save`` treats as per-rank data positions;
+  ``follow_order``/``drawn_from``/``replay_order``: a shuffled sampler's epoch order as the
+  generator state it was drawn from, replayed on resume;
 - framework files: a framework's own pickled files in a checkpoint folder, read safely.
 """
 
@@ -28,6 +30,9 @@ from bcp.adapters.dataloader import COMPONENT as DATALOADER_COMPONENT
 from bcp.adapters.optimizer import PARAM_GROUPS as OPTIMIZER_PARAM_GROUPS
 from bcp.adapters.optimizer import STATE as OPTIMIZER_STATE_PREFIX
 from bcp.adapters.optimizer import flat_optimizer_values, initialize_state, nested_optimizer_state
+from bcp.adapters.drawn_order import draws_its_order, drawn_from
+from bcp.adapters.drawn_order import follow as follow_order
+from bcp.adapters.drawn_order import replay as replay_order
 from bcp.adapters.torch_dataloader import batches_yielded, reshard_states
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.load import Want, Wanted, load_wanted
@@ -62,6 +67,7 @@ __all__ = [
     # adapters
     "initialize_state", "adapter_for", "DATALOADER_COMPONENT", "OPTIMIZER_STATE_PREFIX", "OPTIMIZER_PARAM_GROUPS",
     "nested_optimizer_state", "flat_optimizer_values", "batches_yielded", "reshard_states",
+    "draws_its_order", "drawn_from", "follow_order", "replay_order",
     # frameworks' own pickled files in a checkpoint folder, read safely
     "refusing_pickled_code",
 ]

@@ -67,6 +67,7 @@ class CheckpointIOMixin:
                                   keep_generations=keep_generations, load_generation=load_generation)
         self._pending = PendingSaves()
         self.last_load: bcp.LoadResult | None = None
+        loader_states.install()  # shuffled train loaders: follow their draws from the first fit on
 
     # Lightning's CheckpointIO interface.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Protocol, runtime_checkable
 
 from bcp.adapters.part_key import PartKey
+from bcp.adapters.iterable_shards import IterableShards, reshardable
 from bcp.adapters.torch_dataloader import position_of, why_opaque
 from bcp.errors import CheckpointError, CorruptCheckpointError, MismatchError
 
@@ -78,7 +79,7 @@ class DataloaderState:
         if not (isinstance(dp_size, int) and dp_size >= 1 and isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
             raise CheckpointError(f"dataloader state needs 0 <= dp_rank < dp_size, got {dp_rank} of {dp_size}",
                                   key=COMPONENT)
-        position = position_of(loader)
+        position = IterableShards(loader, dp_rank, dp_size) if reshardable(loader) else position_of(loader)
         sharded = position is not None or isinstance(loader, ShardedDataloader)
         if not sharded and not (callable(getattr(loader, "state_dict", None))
                                 and callable(getattr(loader, "load_state_dict", None))):

@@ -6,15 +6,25 @@ last round. Its position is global: the epoch, the position the epoch resumed fr
 samples each rank has taken since. A load on another DP size continues the global order at the
 first position not yet taken; that is exact when every rank had taken the same number of samples
 (ranks step in lockstep), and refused otherwise, since the taken positions are then not a prefix.
+
+Inside a DataLoader with read workers the loader asks for indices ahead of its trainer, so what the
+sampler handed out is not what the trainer consumed. The sampler finds the loader iterator that
+walks it (the caller of its iteration) and, saved on its own, counts the batches that iterator
+yielded instead: exact for batches made by the loader's own batch sampler and delivered in order,
+refused otherwise.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
+from torch.utils.data import BatchSampler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from bcp.errors import MismatchError
+from bcp.errors import CheckpointError, MismatchError
 
 if TYPE_CHECKING:  # the dataloader module builds on this one
     from bcp.adapters.part_key import PartKey
@@ -34,6 +44,10 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         #: Where every iteration of this epoch begins, counted like ``taken``.
         self.resume_at = 0
         self._iterations = 0
+        #: The loader iterator walking the latest iteration (None: not a loader's), and whether it
+        #: read ahead of its trainer (it had read workers).
+        self._reader: weakref.ref[_BaseDataLoaderIter] | None = None
+        self._read_ahead = False
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first sample. The current epoch keeps its position: trainers
@@ -56,6 +70,10 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         return self._walk(self._iterations, self.resume_at)
 
     def _walk(self, iteration: int, taken: int) -> Iterator[int]:
+        if iteration == self._iterations:
+            reader = _loader_iterator(sys._getframe(1))
+            self._reader = None if reader is None else weakref.ref(reader)
+            self._read_ahead = reader is not None and reader._num_workers > 0
         order = self.order()
         while (position := self.start + self.dp_rank + taken * self.dp_size) < self.size:
             taken += 1
@@ -70,7 +88,27 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         return {"size": self.size, "shuffle": self.shuffle, "seed": self.seed, "epoch": self.epoch, "start": self.start}
 
     def sharded_states(self) -> list[dict[str, Any]]:
-        return [{"taken": self.taken}]
+        return [{"taken": self.consumed()}]
+
+    def consumed(self) -> int:
+        """Samples of this rank's epoch the trainer has consumed, counted like ``taken``: what the
+        sampler handed out, or, under a loader whose read workers ask ahead, the batches it yielded."""
+        if not self._read_ahead:
+            return self.taken
+        reader = self._reader() if self._reader is not None else None
+        if reader is None:
+            if self.taken == self.resume_at + len(self):
+                return self.taken  # the epoch was read to its end and the trainer finished it
+            raise CheckpointError("a DataLoader's read workers asked this sampler for indices ahead of the trainer, "
+                                  "and the loader's iterator is gone, so what the trainer consumed is unknown; save "
+                                  "while iterating, or put the loader in the DataloaderState", key="dataloader")
+        batches = reader._index_sampler
+        if not (loaders_own_batch_sampler(batches) and batches.sampler is self) \
+                or not getattr(reader, "_in_order", True):
+            raise CheckpointError("this sampler is walked by a DataLoader with read workers whose batches are not its "
+                                  "batch_size batches of this sampler's order delivered in order (a custom batch sampler "
+                                  "or in_order=False), so what the trainer consumed is unknown", key="dataloader")
+        return min(self.resume_at + reader._num_yielded * batches.batch_size, self.taken)
 
     @staticmethod
     def assign_parts(saved: list[PartKey], dp_size: int) -> list[list[PartKey]]:
@@ -92,3 +130,20 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
                                 f"positions are not a prefix of the order, so they cannot be continued on "
                                 f"{self.dp_size} DP ranks", key="dataloader")
         self.epoch, self.start, self.taken, self.resume_at = int(replicated["epoch"]), start, mine, mine
+
+
+def loaders_own_batch_sampler(batch_sampler: Any) -> bool:
+    """Whether the batch sampler is the one a loader makes from ``batch_size`` (torch's or torchdata's)."""
+    return isinstance(batch_sampler, BatchSampler) and type(batch_sampler).__module__.startswith(
+        ("torch.utils.data", "torchdata.stateful_dataloader"))
+
+
+def _loader_iterator(frame: Any, depth: int = 8) -> _BaseDataLoaderIter | None:
+    """The DataLoader iterator among the callers of ``frame`` (its batch sampler asks the sampler for
+    indices from inside the iterator's methods), or None."""
+    while frame is not None and depth:
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, _BaseDataLoaderIter):
+            return caller
+        frame, depth = frame.f_back, depth - 1
+    return None

@@ -24,10 +24,10 @@ import copy
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from bcp.adapters.distributed_sampler import ResumableDistributedSampler
+from bcp.adapters.distributed_sampler import ResumableDistributedSampler, loaders_own_batch_sampler
 from bcp.errors import CheckpointError, MismatchError
 
 if TYPE_CHECKING:  # the dataloader module builds on this one
@@ -47,7 +47,7 @@ def position_of(loader: Any) -> "LoaderPosition | None":
     # a DistributedSampler subclass may draw its order elsewhere (Lightning's wrapper of another sampler)
     if not (isinstance(loader.sampler, ResumableDistributedSampler) or type(loader.sampler) is DistributedSampler):
         return None
-    if loader.batch_size is None or not _loaders_own(loader.batch_sampler) \
+    if loader.batch_size is None or not loaders_own_batch_sampler(loader.batch_sampler) \
             or loader.batch_sampler.sampler is not loader.sampler:
         raise CheckpointError(f"a {type(loader).__name__} with a custom batch sampler: bcp cannot tell which samples "
                               "its batches held; batch with batch_size= and the sampler", key=_KEY)
@@ -66,15 +66,10 @@ def why_opaque(loader: Any) -> str:
     if not isinstance(loader, DataLoader):
         return f"a {type(loader).__name__} is not a torch DataLoader"
     if isinstance(loader.dataset, IterableDataset):
-        return "its iterable dataset's read workers hold their positions within the old ranks' shards of the stream"
+        return ("its iterable dataset's read workers hold their positions within the old ranks' shards of the stream, "
+                "and the dataset does not implement bcp.ReshardableIterableDataset")
     return (f"its sampler is a {type(loader.sampler).__name__}: bcp reads the position of a map-style dataset's "
             "loader whose sampler is bcp.ResumableDistributedSampler or torch's DistributedSampler")
-
-
-def _loaders_own(batch_sampler: Any) -> bool:
-    """Whether the batch sampler is the one a loader makes from ``batch_size`` (torch's or torchdata's)."""
-    return isinstance(batch_sampler, BatchSampler) and type(batch_sampler).__module__.startswith(
-        ("torch.utils.data", "torchdata.stateful_dataloader"))
 
 
 #: The last iterator each followed plain DataLoader made (None: none yet). Kept as StatefulDataLoader
