@@ -109,7 +109,7 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
     pieces = writes_of(collected.value.pieces, plan.writes)
     writer = GenerationWriter(location, generation, threads=options.io_threads, background=options.async_save,
                               abandon=rt.background.abandon if options.async_save else None)
-    manifest_of = _manifest_builder(generation, collected.value.framework, plan)
+    manifest_of = _manifest_builder(generation, collected.value.framework, plan, options.step)
     values = values_to_write(coord.rank, collected.value.values, value_digests)
     if not options.async_save:
         write_generation(coord, writer, pieces, values, manifest_of, stats, monitor=monitor)
@@ -243,8 +243,11 @@ def _refuse_targets(targets: list[str]) -> None:
                           "must pass the same path or URL (and role)")
 
 
-def _manifest_builder(generation: int, framework: str, plan: CachedPlan) -> Callable[[list[RankWrites]], Manifest]:
+def _manifest_builder(generation: int, framework: str, plan: CachedPlan,
+                      step: int | None) -> Callable[[list[RankWrites]], Manifest]:
     def manifest_of(reports: list[RankWrites]) -> Manifest:
-        return assemble_manifest(generation=generation, framework=framework, checksum_chunk=DEFAULT_CHECKSUM_CHUNK,
-                                 writer=f"bcp {__version__}", columns=plan.columns, reports=reports)
+        manifest = assemble_manifest(generation=generation, framework=framework, checksum_chunk=DEFAULT_CHECKSUM_CHUNK,
+                                     writer=f"bcp {__version__}", columns=plan.columns, reports=reports)
+        manifest.step = step
+        return manifest
     return manifest_of
