@@ -24,6 +24,7 @@ import os
 import torch
 
 import bcp_megatron  # noqa: F401  (registers the 'bcp' backend)
+from bcp.integration import open_checkpoint
 from megatron_parts import (cpu_megatron_optimizer, distributed_optimizer, gpt, load_model_and_optimizer,
                             main_pieces, parallel, raised, save_torch_dist, scramble, sharded_state)
 from megatron_training import train_step
@@ -95,10 +96,12 @@ def _as_exception(model, optimizer, path: str) -> None:
 
 
 def test_frozen_parameter_loads_as_torch_dist_loads_it(ranks, tmp_path):
-    dirs = (str(tmp_path / "bcp"), str(tmp_path / "torch_dist"))
+    # Named as Megatron-LM names the folder of iteration 1: the generation records that step.
+    dirs = (str(tmp_path / "iter_0000001"), str(tmp_path / "torch_dist"))
     for path in dirs:
         os.makedirs(path)
     expected_losses = ranks(2).run(save_frozen, *dirs)
+    assert open_checkpoint(dirs[0]).manifest.step == 1
     for expected_loss, outcome in zip(expected_losses, ranks(2).run(load_frozen, *dirs)):
         (loaded, loss), (reference, reference_loss) = outcome["bcp"], outcome["torch_dist"]
         assert loaded.keys() == reference.keys()

@@ -74,7 +74,7 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLi
     if optimizers:
         state["optimizer"] = components.optimizer_component(models, optimizers, for_load=False)
     bcp.save(folder, state, topology=process_topology(accelerator),
-             keep_generations=generations.kept(accelerator)).wait()
+             keep_generations=generations.kept(accelerator), step=accelerator.step).wait()
 
     # Every rank waits for the clean-up so that none looks at folders being deleted.
     on_all_ranks(lambda: _clean_up(accelerator, folder, files_dir), f"removing what {folder} replaced")
