@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import bcp
+from bcp.integration import checkpoint_location, open_checkpoint
 from models import build, train
 
 
@@ -33,8 +34,8 @@ def test_each_generation_records_the_step_it_was_saved_at(tmp_path):
     for step in (10, 20):
         bcp.save(path, {"model": model, "optimizer": optimizer}, step=step, keep_generations=3)
     bcp.save(path, {"model": model}, keep_generations=3)  # a save that does not say
-    location = bcp.integration.checkpoint_location(path, None)
-    steps = [bcp.integration.open_checkpoint(path, generation=g).manifest.step for g in location.generations()]
+    location = checkpoint_location(path, None)
+    steps = [open_checkpoint(path, generation=g).manifest.step for g in location.generations()]
     assert steps == [10, 20, None]
 
 
