@@ -4,15 +4,19 @@
     .venv/bin/python benchmarks/s3_compare.py --size-mb 128 --reps 2
     .venv/bin/python benchmarks/s3_compare.py --worlds 2 --max-requests 4 8 16   # the cap, side by side
 
-For 1 and 2 processes (gloo, the state cut on dim 0 as DTensors when 2): the raw floor (obstore's
-parallel multipart upload of each process's bytes as one object, 16 MiB parts 8 at a time, and
-parallel 16 MiB ranged GETs back; with 2 processes also each process reading every process's bytes,
-the floor of a load resharded to dim 1), bcp save/load at its defaults (same layout; with 2 processes also
-a load resharded to dim 1), once per ``--max-requests`` value (the S3 backend's cap on requests in
-flight: rows without a cap in their name ran with the first value) and DCP through ``FsspecWriter``/``FsspecReader`` (s3fs; default,
-and the writer with ``thread_count`` = bcp's I/O threads). The server is ``tests/s3_test_server.py``'s,
-started here and killed at the end. The cases run in rounds (each case once per round) so that a shared
-machine's drifting load weighs on all alike. Prints a markdown table of medians (seconds) and ratios.
+For 1 and 2 processes (gloo, the state cut on dim 0 as DTensors when 2): the raw floor, with the client
+bcp uses (obstore) at bcp's request size (16 MiB) and cap on requests in flight (the first
+``--max-requests`` value, default 8): a parallel multipart upload of each process's bytes as one
+object, and 16 MiB ranged GETs back, each its own request, each range copied into preallocated
+memory; with 2 processes also each process fetching every process's bytes and keeping half of each
+range (the floor of a load resharded to dim 1, which needs half of every saved row, spans of a few
+KiB that no reader fetches one by one), and the same keeping nothing. Then bcp save/load at its
+defaults (same layout; with 2 processes also a load resharded to dim 1), once per ``--max-requests``
+value (rows without a cap in their name ran with the first value) and DCP through
+``FsspecWriter``/``FsspecReader`` (s3fs; default, and the writer with ``thread_count`` = bcp's I/O
+threads). The server is ``tests/s3_test_server.py``'s, started here and killed at the end. The cases
+run in rounds (each case once per round) so that a shared machine's drifting load weighs on all
+alike. Prints a markdown table of medians (seconds) and ratios, and the load average before and after.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any, Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the test suite's SeaweedFS launcher
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bcpbench.launch import launch  # noqa: E402
@@ -128,33 +133,43 @@ def cases(config: dict) -> dict:
     nothing: Callable[[], Any] = lambda: None  # noqa: E731
     next_checkpoint = lambda: (clean(), new_prefix())  # noqa: E731
 
-    # Raw floor: this process's bytes as one object, uploaded in parallel parts and read back by ranges.
+    # Raw floor: this process's bytes as one object, uploaded in parallel parts and read back by ranges
+    # with the client bcp uses, at bcp's request size and cap, into memory (as every load must).
     views = [memoryview(t.numpy()).cast("B") for t in locals_]
-    raw_key = lambda: f"bench-{config['run']}-w{world}/{fresh[-1]}/raw-{rank}"  # noqa: E731
-    starts = list(range(0, nbytes, PART))
+    raw_key = lambda owner=rank: f"bench-{config['run']}-w{world}/{fresh[-1]}/raw-{owner}"  # noqa: E731
     case_list.append(("raw save", lambda: obstore.put(bucket_store, raw_key(), iter(views), chunk_size=PART,
-                                                      max_concurrency=8), next_checkpoint, nothing))
-    case_list.append(("raw load", lambda: obstore.get_ranges(bucket_store, raw_key(), starts=starts,
-                                                             ends=[min(s + PART, nbytes) for s in starts]),
-                      nothing, nothing))
+                                                      max_concurrency=caps[0]), next_checkpoint, nothing))
+    landing = np.zeros(nbytes, dtype=np.uint8)  # touched now: no page faults timed
+    sizes = [nbytes] * world
     if world > 1:
-        # A load resharded from dim 0 to dim 1 needs half of every saved row: spans of a few KiB spread
-        # over every process's file, which no reader fetches one by one. Its floor is the raw read of
-        # every process's bytes by each process.
-        sizes = [0] * world
         dist.all_gather_object(sizes, nbytes)
 
-        def raw_load_all() -> None:
-            def one(owner: int) -> None:
-                key = raw_key().rsplit("-", 1)[0] + f"-{owner}"
-                ranges = list(range(0, sizes[owner], PART))
-                obstore.get_ranges(bucket_store, key, starts=ranges,
-                                   ends=[min(s + PART, sizes[owner]) for s in ranges])
+    def raw_load(owners: list[int], keep: float) -> None:
+        """16 MiB ranged GETs of the owners' objects, each its own request, ``caps[0]`` in flight; the
+        first ``keep`` of each range copied into ``landing`` (numpy's copy, outside the GIL)."""
+        ranges = [(owner, start) for owner in owners for start in range(0, sizes[owner], PART)]
+        kept = [0]
+        for owner, start in ranges:
+            kept.append(kept[-1] + int(min(PART, sizes[owner] - start) * keep))
 
-            with ThreadPoolExecutor(world) as pool:
-                list(pool.map(one, range(world)))
+        def one(index: int) -> None:
+            owner, start = ranges[index]
+            piece = obstore.get_range(bucket_store, raw_key(owner), start=start, end=min(start + PART, sizes[owner]))
+            at, end = kept[index], kept[index + 1]
+            np.copyto(landing[at:end], np.frombuffer(piece, dtype=np.uint8)[:end - at])
 
-        case_list.append(("raw load, every process's bytes", raw_load_all, nothing, nothing))
+        with ThreadPoolExecutor(caps[0]) as pool:
+            list(pool.map(one, range(len(ranges))))
+
+    case_list.append(("raw load", partial(raw_load, [rank], 1.0), nothing, nothing))
+    if world > 1:
+        # A load resharded from dim 0 to dim 1 needs half of every saved row: spans of a few KiB spread
+        # over every process's object, which no reader fetches one by one. Its floor fetches every
+        # process's bytes and keeps half of them.
+        case_list.append(("raw load, every process's bytes, half kept", partial(raw_load, list(range(world)), 0.5),
+                          nothing, nothing))
+        case_list.append(("raw load, every process's bytes, none kept", partial(raw_load, list(range(world)), 0.0),
+                          nothing, nothing))
 
     def zeros(dim: int) -> dict[str, Any]:
         return layout(dim, lambda n: torch.zeros(local_shape(shapes[n], dim, world)))
@@ -200,7 +215,7 @@ def table(world: int, result: dict) -> str:
     rows = [f"### {world} process{'es' if world > 1 else ''}, {result['nbytes'] / 1e6:.0f} MB", "",
             "| case | median s | GB/s | vs raw floor | bcp vs this |", "| --- | --- | --- | --- | --- |"]
     floors = {"save": med["raw save"], "load": med["raw load"],
-              "resharded": med.get("raw load, every process's bytes", med["raw load"])}
+              "resharded": med.get("raw load, every process's bytes, half kept", med["raw load"])}
     for name, seconds in med.items():
         floor = floors["save" if "save" in name else "resharded" if "resharded" in name else "load"]
         mine = med["bcp save"] if "save" in name else med["bcp load resharded" if "resharded" in name else "bcp load"]
@@ -221,6 +236,8 @@ def main() -> None:
     args = parser.parse_args()
     import s3_test_server as seaweedfs
 
+    load_before = os.getloadavg()
+    started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="bcp-s3-bench-") as directory:
         server = seaweedfs.start(directory)
         try:
@@ -231,7 +248,9 @@ def main() -> None:
         finally:
             seaweedfs.stop(server)
     print(f"state {shapes_nbytes(gpt_shapes(config['size_bytes'])) / 1e6:.0f} MB, {args.reps} reps, "
-          f"io_threads {args.io_threads or 'default'}, max_requests {args.max_requests or 'default'}\n")
+          f"io_threads {args.io_threads or 'default'}, max_requests {args.max_requests or 'default'}; started "
+          f"{started} UTC, load average {' '.join(f'{x:.1f}' for x in load_before)} before and "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} after\n")
     for world, result in results.items():
         print(table(world, result) + "\n")
     if args.json:

@@ -7,7 +7,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import pytest  # noqa: E402
 
 from pool import RankPool  # noqa: E402
-from s3_fixtures import s3_env, s3_server, s3_url  # noqa: E402,F401  (fixtures for every folder)
+from s3_fixtures import oidc_issuer, s3_env, s3_server, s3_url  # noqa: E402,F401  (fixtures for every folder)
 
 _pools: dict[int, RankPool] = {}
 

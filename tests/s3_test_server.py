@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from s3_oidc import OidcIssuer
     from s3_tls import TlsFiles
 
 BUCKET = "ckpt"
@@ -25,6 +26,9 @@ SECRET_KEY = "bcp-test-secret"
 GRPC_OFFSET = 10000  # every SeaweedFS service also listens for gRPC on its HTTP port + 10000
 ROLE_ARN = "arn:aws:iam::role/ckpt-writer"
 """A role the test keys may assume through the server's STS (``start(sts=True)``)."""
+FEDERATED_ROLE_ARN = "arn:aws:iam::role/ckpt-federated"
+"""A role that holders of the test OIDC issuer's tokens may assume (``start(oidc=...)``)."""
+OIDC_PROVIDER = "bcp-test-oidc"
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,11 @@ def weed_binary() -> str:
 
 
 def start(directory: str, timeout_s: float = 60.0, ports: list[int] | None = None,
-          tls: TlsFiles | None = None, sts: bool = False) -> S3Server:
+          tls: TlsFiles | None = None, sts: bool = False, oidc: OidcIssuer | None = None) -> S3Server:
     """A server keeping its data in ``directory``; ``ports`` (a killed server's) restarts one in place;
     with ``tls`` it also serves HTTPS with that certificate; with ``sts`` it issues temporary
-    credentials for :data:`ROLE_ARN` (see :meth:`S3Server.assume_role`)."""
+    credentials for :data:`ROLE_ARN` (see :meth:`S3Server.assume_role`), and with ``oidc`` also for
+    :data:`FEDERATED_ROLE_ARN` to holders of that issuer's tokens (AssumeRoleWithWebIdentity)."""
     ports = ports or free_ports(6)
     s3, master, volume, filer, admin, https = ports
     command = [weed_binary(), "mini", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
@@ -101,7 +106,7 @@ def start(directory: str, timeout_s: float = 60.0, ports: list[int] | None = Non
                "-s3.port.lance=0", f"-s3.port={s3}", f"-master.port={master}", f"-volume.port={volume}",
                f"-filer.port={filer}", f"-admin.port={admin}", f"-bucket={BUCKET}"]
     if sts:
-        command.append(f"-s3.iam.config={_write_iam_config(directory)}")
+        command.append(f"-s3.iam.config={_write_iam_config(directory, oidc)}")
     if tls is not None:
         command += [f"-s3.port.https={https}", f"-s3.cert.file={tls.cert}", f"-s3.key.file={tls.key}"]
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
@@ -114,9 +119,10 @@ def start(directory: str, timeout_s: float = 60.0, ports: list[int] | None = Non
     return server
 
 
-def _write_iam_config(directory: str) -> str:
+def _write_iam_config(directory: str, oidc: OidcIssuer | None) -> str:
     """SeaweedFS's advanced IAM configuration: an STS that signs its session tokens with a fresh key,
-    and one role, allowed everything on S3, that any caller may assume."""
+    and one role, allowed everything on S3, that any caller may assume; with ``oidc``, that issuer as
+    an OpenID Connect provider and a second such role for the holders of its tokens."""
     allow_all = {"Version": "2012-10-17", "Statement": [
         {"Effect": "Allow", "Action": ["s3:*"], "Resource": ["arn:aws:s3:::*", "arn:aws:s3:::*/*"]}]}
     trust_all = {"Version": "2012-10-17", "Statement": [
@@ -127,6 +133,15 @@ def _write_iam_config(directory: str) -> str:
               "policies": [{"name": "ckpt-all", "document": allow_all}],
               "roles": [{"roleName": ROLE_ARN.rsplit("/", 1)[1], "roleArn": ROLE_ARN,
                          "attachedPolicies": ["ckpt-all"], "trustPolicy": trust_all}]}
+    if oidc is not None:
+        from s3_oidc import AUDIENCE
+
+        config["sts"]["providers"] = [{"name": OIDC_PROVIDER, "type": "oidc", "enabled": True, "config": {
+            "issuer": oidc.url, "clientId": AUDIENCE, "jwksUri": f"{oidc.url}/jwks.json"}}]
+        trust_tokens = {"Version": "2012-10-17", "Statement": [{
+            "Effect": "Allow", "Principal": {"Federated": OIDC_PROVIDER}, "Action": ["sts:AssumeRoleWithWebIdentity"]}]}
+        config["roles"].append({"roleName": FEDERATED_ROLE_ARN.rsplit("/", 1)[1], "roleArn": FEDERATED_ROLE_ARN,
+                                "attachedPolicies": ["ckpt-all"], "trustPolicy": trust_tokens})
     path = os.path.join(directory, "iam.json")
     with open(path, "w") as f:
         json.dump(config, f)

@@ -29,7 +29,14 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 )
 
 import bcp  # noqa: E402
-from bcp_lightning import BCPCheckpointIO, BCPDDPStrategy, BCPFSDPStrategy, BCPModelParallelStrategy  # noqa: E402
+from bcp_lightning import (  # noqa: E402
+    BCPCheckpointIO,
+    BCPDDPStrategy,
+    BCPFSDPStrategy,
+    BCPModelParallelStrategy,
+    MEMORY_TIER,
+    MemoryTierCheckpoint,
+)
 from models import MLP  # noqa: E402
 
 SAMPLES = 48
@@ -89,15 +96,20 @@ class LitMLP(L.LightningModule):
 
 
 class Data(L.LightningDataModule):
-    """Fixed random data; ``loaders_made`` is the datamodule's checkpointed state."""
+    """Fixed random data; ``loaders_made`` is the datamodule's checkpointed state. With ``stateful``
+    the train loader is a torchdata ``StatefulDataLoader``, so a resume mid-epoch continues its epoch."""
 
-    def __init__(self, shuffle: bool = True) -> None:
+    def __init__(self, shuffle: bool = True, stateful: bool = False) -> None:
         super().__init__()
-        self.shuffle = shuffle
+        self.shuffle, self.stateful = shuffle, stateful
         self.loaders_made = 0
 
     def train_dataloader(self) -> Any:
         self.loaders_made += 1
+        if self.stateful:
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return StatefulDataLoader(_dataset(0), batch_size=BATCH, shuffle=self.shuffle)
         return torch.utils.data.DataLoader(_dataset(0), batch_size=BATCH, shuffle=self.shuffle)
 
     def val_dataloader(self) -> Any:
@@ -263,6 +275,42 @@ def pickle_model(strategy: str, dirpath: str, plugin: bool = False, async_save: 
             "same_options": reloaded["plugin"].options == plugin.options}
 
 
+def fit_tier(strategy: str, tier: dict[str, Any] | None, max_steps: int, every: int, resume: str | bool = False,
+             dirpath: str | None = None) -> dict[str, Any]:
+    """``Trainer.fit`` up to ``max_steps`` with ``BCPCheckpointIO(memory_tier=bcp.MemoryTier(**tier))``
+    (its ``nodes`` list as long as the job) and a ``MemoryTierCheckpoint`` saving every ``every``
+    steps; with ``resume``, from ``ckpt_path=MEMORY_TIER``. Without ``tier`` a ``ModelCheckpoint``
+    saves to ``dirpath`` at the same steps instead, and ``resume`` is a checkpoint path. The train
+    loader is stateful, so a resume mid-epoch continues its epoch."""
+    torch.manual_seed(0)  # the sampler's shuffling draws from it (a resume restores the loader's own state)
+    recorder = Recorder(resumed=bool(resume))
+    if tier is not None:
+        plugins = [BCPCheckpointIO(memory_tier=bcp.MemoryTier(**tier))]
+        saving = MemoryTierCheckpoint(every_n_train_steps=every)
+        ckpt_path = MEMORY_TIER if resume else None
+    else:
+        plugins = [BCPCheckpointIO()] if strategy == "single" else None
+        saving = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every, save_top_k=-1, filename="{step}")
+        ckpt_path = resume or None
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD_SIZE, strategy=STRATEGIES[strategy](), max_steps=max_steps, plugins=plugins,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=[recorder, saving])
+    trainer.fit(LitMLP(LAYOUTS[strategy]), datamodule=Data(stateful=True), ckpt_path=ckpt_path)
+    loaded = getattr(trainer.strategy.checkpoint_io, "last_load", None)
+    return {"losses": recorder.losses, "saved": recorder.saved, "restored": recorder.restored,
+            "source": loaded.source if loaded else None, "reason": loaded.source_reason if loaded else None}
+
+
+def tier_error(strategy: str, tier: dict[str, Any]) -> str:
+    """The message of the error a ``fit_tier`` run raises (the same on every rank)."""
+    try:
+        fit_tier(strategy, tier, max_steps=2, every=1)
+    except Exception as exc:  # the test asserts on the message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 class IdsSeen(L.LightningModule):
     """Records the sample ids of every batch it trains on; its train loader is a StatefulDataLoader
     with 2 read workers over ids 0..95, with the DistributedSampler Lightning puts in
@@ -306,7 +354,8 @@ def fit_ids(dirpath: str, shuffle: bool, sampler: str, every: int = 0, resume_fr
 
 
 CASES = {"fit": fit, "expect_error": expect_error, "count_collectives": count_collectives,
-         "pickle_model": pickle_model, "fit_ids": fit_ids}
+         "pickle_model": pickle_model, "fit_ids": fit_ids, "fit_tier": fit_tier,
+         "tier_error": tier_error}
 
 
 def main() -> None:

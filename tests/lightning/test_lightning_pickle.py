@@ -44,6 +44,17 @@ def test_plugin_round_trips_with_its_options_and_saves_afterwards(package, tmp_p
     assert copy.load_checkpoint(tmp_path / "b")["epoch"] == 2
 
 
+def test_plugin_with_a_memory_tier_and_the_tier_callback_round_trip(tmp_path):
+    memory_tier = bcp.MemoryTier(tmp_path / "persistent", local_dir=tmp_path / "shm", persist_every=3)
+    plugin = BCPCheckpointIO(memory_tier=memory_tier)
+    plugin.save_checkpoint({"state_dict": {"w": torch.arange(4.0)}, "epoch": 1}, bcp_lightning.MEMORY_TIER)
+    copy = round_trip(plugin)
+    assert copy.memory_tier == memory_tier and copy.options == plugin.options
+    assert_bitwise(copy.load_checkpoint(bcp_lightning.MEMORY_TIER)["state_dict"], {"w": torch.arange(4.0)})
+    callback = round_trip(bcp_lightning.MemoryTierCheckpoint(every_n_train_steps=5))
+    assert type(callback) is bcp_lightning.MemoryTierCheckpoint and callback.every_n_train_steps == 5
+
+
 @pytest.mark.parametrize("cls", [BCPDDPStrategy, BCPFSDPStrategy, BCPModelParallelStrategy])
 def test_strategies_round_trip_with_their_plugin(cls, tmp_path):
     strategy = cls()

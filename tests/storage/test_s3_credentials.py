@@ -1,8 +1,10 @@
 """Where the S3 backend finds its credentials, against the real SeaweedFS server, with no AWS_* keys
 in the environment: a profile in the shared config and credentials files; temporary credentials with
 a session token issued by the server's STS (AssumeRole), which checks the token on every request;
-a container credentials endpoint. Large files go part by part, each part retried on its own, through
-the fault proxy."""
+a container credentials endpoint; a web identity token exchanged at the server's STS
+(AssumeRoleWithWebIdentity, the token signed by an OIDC issuer the test runs); instance metadata
+(an IMDSv2 endpoint the test runs). Large files go part by part, each part retried on its own,
+through the fault proxy, and checkpoints load back."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import bcp
 import pytest
+import s3_test_server as seaweedfs
 import torch
 from bcp.storage import S3Storage
 from s3_part_uploads import PART, seven_part_file, write_through_faults
@@ -148,3 +151,103 @@ def test_both_clients_address_the_bucket_alike(options, bucket_url, no_aws_varia
     obstore_url = (f"{config['endpoint']}/" if config["virtual_hosted_style_request"] == "true"
                    else f"{config['endpoint']}/my-bucket/")
     assert obstore_url == bucket_url
+
+
+def _save_and_load_bitwise(url: str, **options: object) -> None:
+    """A checkpoint whose data file is several 5 MiB parts, saved and loaded back into a fresh model."""
+    model, fresh = torch.nn.Linear(2048, 1536), torch.nn.Linear(2048, 1536)
+    bcp.save(S3Storage(url, part_bytes=PART, **options), {"model": model})
+    bcp.load(S3Storage(url, **options), {"model": fresh})
+    for name, value in model.state_dict().items():
+        assert torch.equal(value.view(torch.int32), fresh.state_dict()[name].view(torch.int32)), name
+
+
+def test_a_web_identity_token_and_role_alone_upload_part_by_part_through_faults_and_load(
+        s3_server, s3_url, storage_log, oidc_issuer, tmp_path, monkeypatch, no_aws_variables):
+    """As on EKS (IRSA): a token file and a role ARN; botocore exchanges the token for temporary
+    credentials with the server's STS (AssumeRoleWithWebIdentity), which checks the token's signature
+    against the keys the test's OIDC issuer serves. A token it refuses fails at once, naming the
+    source (it was retried ten times as if the server had not answered)."""
+    token = tmp_path / "token"
+    token.write_text(oidc_issuer.token())
+    monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(token))
+    monkeypatch.setenv("AWS_ROLE_ARN", seaweedfs.FEDERATED_ROLE_ARN)
+    monkeypatch.setenv("AWS_ROLE_SESSION_NAME", "bcp-trainer")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_STS", s3_server.endpoint)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    storage, _ = write_through_faults(s3_server, s3_url, storage_log, credentials={})
+    assert storage.inner.connection.credentials().method == "assume-role-with-web-identity"
+    _save_and_load_bitwise(f"{s3_url}/run", endpoint_url=s3_server.endpoint)
+
+    # the server does check the token: one signed by another issuer's key gets no credentials
+    from s3_oidc import OidcIssuer
+
+    stranger = OidcIssuer()
+    try:
+        token.write_text(stranger.token())
+    finally:
+        stranger.close()
+    monkeypatch.setenv("AWS_ROLE_SESSION_NAME", "bcp-stranger")  # a new store connection: the token read anew
+    refusal = r"credentials \(assume-role-with-web-identity\).*AccessDenied"
+    with pytest.raises(bcp.StorageError, match=refusal) as refused:
+        S3Storage(f"{s3_url}/other", endpoint_url=s3_server.endpoint).exists("x")
+    assert "attempt 1 (permanent error)" in str(refused.value)
+
+
+class InstanceMetadata(BaseHTTPRequestHandler):
+    """An IMDSv2 endpoint as an EC2 instance has at 169.254.169.254, which cannot exist here, so the
+    test runs one (``AWS_EC2_METADATA_SERVICE_ENDPOINT`` points botocore at it): a session token from
+    ``PUT /latest/api/token``, then the instance role's name and its temporary credentials, answered
+    only to requests carrying that token."""
+
+    ROLE = "ckpt-instance"
+    SESSION = "imds-session-token"
+    credentials: bytes = b""
+    asked: list[str] = []
+
+    def do_PUT(self) -> None:
+        self.asked.append(f"PUT {self.path}")
+        if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
+            return self._answer(200, self.SESSION.encode())
+        self._answer(400, b"")
+
+    def do_GET(self) -> None:
+        self.asked.append(f"GET {self.path}")
+        if self.headers.get("X-aws-ec2-metadata-token") != self.SESSION:
+            return self._answer(401, b"")
+        prefix = "/latest/meta-data/iam/security-credentials/"
+        answers = {prefix: self.ROLE.encode(), prefix + self.ROLE: self.credentials}
+        self._answer(200, answers[self.path]) if self.path in answers else self._answer(404, b"")
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_instance_metadata_credentials_upload_part_by_part_through_faults_and_load(
+        s3_server, s3_url, storage_log, monkeypatch, no_aws_variables):
+    temporary = s3_server.assume_role()
+    InstanceMetadata.credentials = json.dumps({
+        "Code": "Success", "Type": "AWS-HMAC", "AccessKeyId": temporary["access_key_id"],
+        "SecretAccessKey": temporary["secret_access_key"], "Token": temporary["session_token"],
+        "Expiration": "2099-01-01T00:00:00Z", "LastUpdated": "2026-01-01T00:00:00Z"}).encode()
+    InstanceMetadata.asked = []
+    endpoint = ThreadingHTTPServer(("127.0.0.1", 0), InstanceMetadata)
+    threading.Thread(target=endpoint.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.delenv("AWS_EC2_METADATA_DISABLED")
+        monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"http://127.0.0.1:{endpoint.server_address[1]}/")
+        monkeypatch.setenv("AWS_REGION", "us-east-1")
+        storage, _ = write_through_faults(s3_server, s3_url, storage_log, credentials={})
+        assert storage.inner.connection.credentials().method == "iam-role"
+        _save_and_load_bitwise(f"{s3_url}/run", endpoint_url=s3_server.endpoint)
+    finally:
+        endpoint.shutdown()
+        endpoint.server_close()
+    role = f"/latest/meta-data/iam/security-credentials/{InstanceMetadata.ROLE}"
+    assert InstanceMetadata.asked[0] == "PUT /latest/api/token" and f"GET {role}" in InstanceMetadata.asked

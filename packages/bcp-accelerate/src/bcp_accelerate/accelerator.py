@@ -6,15 +6,17 @@ from typing import Any
 
 import accelerate
 
+import bcp
 from bcp_accelerate.generations import DEFAULT_KEEP_GENERATIONS
 from bcp_accelerate.switch import enable
 
 
 class Accelerator(accelerate.Accelerator):
     """A drop-in ``accelerate.Accelerator`` whose ``save_state``/``load_state`` go through bcp
-    (unless ``ACCELERATE_CHECKPOINT_ENGINE=accelerate`` says otherwise). ``keep_generations`` as for
-    ``bcp_accelerate.enable``."""
+    (unless ``ACCELERATE_CHECKPOINT_ENGINE=accelerate`` says otherwise). ``keep_generations`` and
+    ``memory_tier`` as for ``bcp_accelerate.enable``."""
 
-    def __init__(self, *args: Any, keep_generations: int = DEFAULT_KEEP_GENERATIONS, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, keep_generations: int = DEFAULT_KEEP_GENERATIONS,
+                 memory_tier: "bcp.MemoryTier | None" = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        enable(self, keep_generations=keep_generations)
+        enable(self, keep_generations=keep_generations, memory_tier=memory_tier)

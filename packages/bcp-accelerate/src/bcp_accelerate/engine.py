@@ -60,11 +60,24 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLi
     on_all_ranks(lambda: _save_accelerate_files(accelerator, places.join(folder, files_dir), safe_serialization),
                  f"writing accelerate's files to {folder}")
 
+    bcp.save(folder, state_to_save(accelerator, saved_models, files=files_dir), topology=process_topology(accelerator),
+             keep_generations=generations.kept(accelerator), step=accelerator.step).wait()
+
+    # Every rank waits for the clean-up so that none looks at folders being deleted.
+    on_all_ranks(lambda: _clean_up(accelerator, folder, files_dir), f"removing what {folder} replaced")
+    accelerator.project_configuration.iteration += 1
+    return folder if places.is_url(folder) else Path(folder)
+
+
+def state_to_save(accelerator: accelerate.Accelerator, saved_models: list[int], *, files: str | None) -> dict[str, Any]:
+    """What ``bcp.save`` gets: the record, the registered objects, the stateful dataloaders, the
+    models the pre-hooks left and every optimizer. ``files``: the sub-folder of accelerate's own
+    files, None where they are in the checkpoint itself (``FILES``, a memory tier)."""
     models, optimizers = accelerator._models, accelerator._optimizers
     state: dict[str, Any] = {RECORD: {
         "step": accelerator.step, "models": saved_models, "num_models": len(models),
         "num_optimizers": len(optimizers), "num_custom_objects": len(accelerator._custom_objects),
-        "files": files_dir, "custom_objects_in_bcp": True, "dataloaders_in_bcp": True,
+        "files": files, "custom_objects_in_bcp": True, "dataloaders_in_bcp": True,
     }}
     state.update(_custom_components(accelerator))
     state.update(dataloaders.component(accelerator))
@@ -73,13 +86,7 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLi
         state["model"] = model
     if optimizers:
         state["optimizer"] = components.optimizer_component(models, optimizers, for_load=False)
-    bcp.save(folder, state, topology=process_topology(accelerator),
-             keep_generations=generations.kept(accelerator), step=accelerator.step).wait()
-
-    # Every rank waits for the clean-up so that none looks at folders being deleted.
-    on_all_ranks(lambda: _clean_up(accelerator, folder, files_dir), f"removing what {folder} replaced")
-    accelerator.project_configuration.iteration += 1
-    return folder if places.is_url(folder) else Path(folder)
+    return state
 
 
 def load_state(accelerator: accelerate.Accelerator, input_dir: "str | os.PathLike | None" = None,
@@ -112,47 +119,74 @@ def _choose(accelerator: accelerate.Accelerator, input_dir: "str | os.PathLike |
 
 def _load_through_bcp(accelerator: accelerate.Accelerator, folder: str, load_kwargs: dict | None,
                       options: dict[str, Any]) -> None:
-    unknown = sorted(set(options) - set(_LOAD_OPTIONS))
-    if unknown:
-        raise TypeError(f"load_state() through bcp takes no {', '.join(unknown)} "
-                        f"(its model options are {', '.join(_LOAD_OPTIONS)})")
+    check_load_options(options)
     loaded_models = on_all_ranks(lambda: hooks.models_to_load(accelerator, folder), "running the load_state pre-hooks")
     generation = options.get("generation")
-    record = _read_record(folder, generation)
-    on_all_ranks(lambda: _check_matches(record, accelerator, loaded_models, folder), "checking the checkpoint")
-
-    models, optimizers = accelerator._models, accelerator._optimizers
-    state: dict[str, Any] = {}
-    model = components.model_component(models, loaded_models)
-    if model is not None:
-        state["model"] = model
-    if optimizers:
-        state["optimizer"] = components.optimizer_component(models, optimizers, for_load=True)
-    custom_in_bcp = record.get("custom_objects_in_bcp", False)
-    if custom_in_bcp:
-        state.update(_custom_components(accelerator))
-    loaders_in_bcp = record.get("dataloaders_in_bcp", False)
-    if loaders_in_bcp:
-        state.update(dataloaders.component(accelerator))
-    if state:
-        bcp.load(folder, state, strict=options.get("strict", True), generation=generation,
-                 topology=process_topology(accelerator))
-    if optimizers:
-        components.restore_param_groups(state["optimizer"], optimizers)
-    on_all_ranks(lambda: _load_accelerate_files(accelerator, folder, record["files"], load_kwargs, custom_in_bcp,
-                                                loaders_in_bcp),
+    record = read_record(folder, generation)
+    on_all_ranks(lambda: check_matches(record, accelerator, loaded_models, folder), "checking the checkpoint")
+    load_models(accelerator, folder, record, loaded_models, options)
+    on_all_ranks(lambda: _load_accelerate_files(accelerator, folder, record["files"], load_kwargs,
+                                                record.get("custom_objects_in_bcp", False),
+                                                record.get("dataloaders_in_bcp", False)),
                  f"loading accelerate's files from {folder}")
     # The record, unlike the per-process RNG files, reaches processes beyond the saved number.
     accelerator.step = record["step"]
 
 
+def check_load_options(options: dict[str, Any]) -> None:
+    unknown = sorted(set(options) - set(_LOAD_OPTIONS))
+    if unknown:
+        raise TypeError(f"load_state() through bcp takes no {', '.join(unknown)} "
+                        f"(its model options are {', '.join(_LOAD_OPTIONS)})")
+
+
+def load_models(accelerator: accelerate.Accelerator, target: Any, record: dict[str, Any], loaded_models: list[int],
+                options: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Load the models the pre-hooks left, every optimizer, the registered objects and the stateful
+    dataloaders (where the record says bcp saved them) and ``extra`` components from ``target`` (a
+    folder or a memory tier); returns the loaded state."""
+    models, optimizers = accelerator._models, accelerator._optimizers
+    state: dict[str, Any] = dict(extra or {})
+    model = components.model_component(models, loaded_models)
+    if model is not None:
+        state["model"] = model
+    if optimizers:
+        state["optimizer"] = components.optimizer_component(models, optimizers, for_load=True)
+    if record.get("custom_objects_in_bcp", False):
+        state.update(_custom_components(accelerator))
+    if record.get("dataloaders_in_bcp", False):
+        state.update(dataloaders.component(accelerator))
+    if state:
+        bcp.load(target, state, strict=options.get("strict", True), generation=options.get("generation"),
+                 topology=process_topology(accelerator))
+    if optimizers:
+        components.restore_param_groups(state["optimizer"], optimizers)
+    return state
+
+
+def load_accelerate_files(accelerator: accelerate.Accelerator, files_dir: str, load_kwargs: dict | None, *,
+                          loaders_in_bcp: bool, source: tuple[str, str]) -> None:
+    """Accelerate's own loaders of its files (schedulers, samplers, RNG, scaler) over ``files_dir``,
+    a local folder; a pickle torch refuses is a ``bcp.UnsafeCheckpointError`` naming ``source``
+    (the checkpoint and where in it the files are)."""
+    loaders = dataloaders.for_accelerate_files(accelerator._dataloaders, in_bcp=loaders_in_bcp)
+    with refusing_pickled_code(*source):
+        load_accelerator_state(files_dir, [], [], accelerator._schedulers, loaders, accelerator.process_index,
+                               accelerator.scaler, None, load_kwargs)
+
+
+def save_accelerate_files(accelerator: accelerate.Accelerator, files_dir: str, safe_serialization: bool) -> None:
+    """Accelerate's own savers of its files into ``files_dir``, a local folder."""
+    save_accelerator_state(files_dir, [], [], accelerator._schedulers,
+                           dataloaders.for_accelerate_files(accelerator._dataloaders, in_bcp=True),
+                           accelerator.process_index, accelerator.step, accelerator.scaler,
+                           save_on_each_node=accelerator.project_configuration.save_on_each_node,
+                           safe_serialization=safe_serialization)
+
+
 def _save_accelerate_files(accelerator: accelerate.Accelerator, files_dir: str, safe_serialization: bool) -> None:
-    on_each_node = accelerator.project_configuration.save_on_each_node
     with places.files_to_write(files_dir) as local:
-        save_accelerator_state(local, [], [], accelerator._schedulers,
-                               dataloaders.for_accelerate_files(accelerator._dataloaders, in_bcp=True),
-                               accelerator.process_index, accelerator.step, accelerator.scaler,
-                               save_on_each_node=on_each_node, safe_serialization=safe_serialization)
+        save_accelerate_files(accelerator, local, safe_serialization)
 
 
 def _custom_components(accelerator: accelerate.Accelerator) -> dict[str, Any]:
@@ -163,11 +197,9 @@ def _custom_components(accelerator: accelerate.Accelerator) -> dict[str, Any]:
 
 def _load_accelerate_files(accelerator: accelerate.Accelerator, folder: str, files: str, load_kwargs: dict | None,
                            custom_in_bcp: bool, loaders_in_bcp: bool) -> None:
-    loaders = dataloaders.for_accelerate_files(accelerator._dataloaders, in_bcp=loaders_in_bcp)
     with places.files_to_read(places.join(folder, files)) as files_dir:
-        with refusing_pickled_code(folder, files):
-            load_accelerator_state(files_dir, [], [], accelerator._schedulers, loaders,
-                                   accelerator.process_index, accelerator.scaler, None, load_kwargs)
+        load_accelerate_files(accelerator, files_dir, load_kwargs, loaders_in_bcp=loaders_in_bcp,
+                              source=(folder, files))
         if not custom_in_bcp:  # a checkpoint from before the objects went into bcp: their .pkl files
             for index, obj in enumerate(accelerator._custom_objects):
                 framework_files.load_custom_state(obj, files_dir, index)
@@ -191,10 +223,10 @@ def _files_of_older_generations(folder: str) -> set[str]:
     location = checkpoint_location(folder, None)
     committed = [g for g in location.generations() if location.is_committed(g)]
     alone = bcp.SingleProcessCoordinator()
-    return {_read_record(folder, g, alone)["files"] for g in committed[:-1]}
+    return {read_record(folder, g, alone)["files"] for g in committed[:-1]}
 
 
-def _read_record(folder: str, generation: int | None = None,
+def read_record(folder: Any, generation: int | None = None,
                  coordinator: bcp.Coordinator | None = None) -> dict[str, Any]:
     state: dict[str, Any] = {RECORD: None}
     result = bcp.load(folder, state, strict=False, generation=generation, coordinator=coordinator,
@@ -210,7 +242,7 @@ _DESCRIBED = {"num_models": "prepared models", "num_optimizers": "prepared optim
               "models": "indices of the models the pre-hooks leave to bcp"}
 
 
-def _check_matches(record: dict[str, Any], accelerator: accelerate.Accelerator, loaded_models: list[int],
+def check_matches(record: dict[str, Any], accelerator: accelerate.Accelerator, loaded_models: list[int],
                    folder: str) -> None:
     live = {"num_models": len(accelerator._models), "num_optimizers": len(accelerator._optimizers),
             "num_custom_objects": len(accelerator._custom_objects), "models": loaded_models}

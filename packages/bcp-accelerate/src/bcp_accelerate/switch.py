@@ -15,7 +15,9 @@ from typing import Any, Callable
 import accelerate
 
 from bcp import CheckpointError
-from bcp_accelerate import engine, generations
+import bcp
+from bcp_accelerate import generations
+from bcp_accelerate import memory_tier as memory_tier_module
 from bcp_accelerate.generations import DEFAULT_KEEP_GENERATIONS
 from bcp_accelerate.engine_variable import ENGINE_VARIABLE
 
@@ -38,15 +40,18 @@ def requested_engine() -> str | None:
     return value
 
 
-def enable(accelerator: accelerate.Accelerator, *,
-           keep_generations: int = DEFAULT_KEEP_GENERATIONS) -> accelerate.Accelerator:
+def enable(accelerator: accelerate.Accelerator, *, keep_generations: int = DEFAULT_KEEP_GENERATIONS,
+           memory_tier: "bcp.MemoryTier | None" = None) -> accelerate.Accelerator:
     """Route this accelerator's ``save_state``/``load_state`` through bcp; returns it.
     ``keep_generations``: committed generations kept when ``save_state`` writes to a folder that
     already holds a checkpoint (a fixed ``output_dir``); each is a full copy of the state on disk,
-    and ``load_state(folder, generation=N)`` loads an older one."""
+    and ``load_state(folder, generation=N)`` loads an older one. ``memory_tier``: where
+    ``save_state()`` and ``load_state()`` called without a folder go (a folder given still goes to
+    that folder); ``save_state(tier)``/``load_state(tier)`` work without it."""
     if not isinstance(accelerator, accelerate.Accelerator):
         raise TypeError(f"enable() takes an accelerate.Accelerator, got {type(accelerator).__name__}")
     generations.set_kept(accelerator, keep_generations)
+    memory_tier_module.set_tier(accelerator, memory_tier)
     install()
     setattr(accelerator, _OPTED_IN, True)
     return accelerator
@@ -67,9 +72,10 @@ def install() -> None:
     if getattr(cls.save_state, _DISPATCHES, False):
         return
     save_state, load_state = cls.save_state, cls.load_state
-    cls.save_state = _dispatching(save_state, engine.save_state)
+    cls.save_state = _dispatching(save_state, memory_tier_module.save_state)
     # A folder written by accelerate's own engine is still loaded by it.
-    cls.load_state = _dispatching(load_state, functools.partial(engine.load_state, accelerate_load_state=load_state))
+    cls.load_state = _dispatching(load_state, functools.partial(memory_tier_module.load_state,
+                                                                accelerate_load_state=load_state))
 
 
 def _dispatching(original: Callable[..., Any], through_bcp: Callable[..., Any]) -> Callable[..., Any]:

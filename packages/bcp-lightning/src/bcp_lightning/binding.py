@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from bcp_lightning.io import CheckpointIOMixin
 from bcp_lightning.live_state import FSDP1_SHARDS
+from bcp_lightning.memory_tier import MemoryTierCheckpointMixin
 from bcp_lightning.strategies import StrategyMixin, device_mesh_topology
 
 
@@ -20,12 +21,13 @@ class Bound(NamedTuple):
     BCPDDPStrategy: type[StrategyMixin]
     BCPFSDPStrategy: type[StrategyMixin]
     BCPModelParallelStrategy: type[StrategyMixin]
+    MemoryTierCheckpoint: type[MemoryTierCheckpointMixin]
 
 
-def bind(checkpoint_io_base: type, strategies: ModuleType, module: str) -> Bound:
+def bind(checkpoint_io_base: type, strategies: ModuleType, callback_base: type, module: str) -> Bound:
     """The classes for one Lightning package: ``checkpoint_io_base`` is its ``CheckpointIO``,
-    ``strategies`` its ``strategies`` module; ``module`` is where the classes are published (so
-    that they pickle, as ``ddp_spawn`` requires)."""
+    ``strategies`` its ``strategies`` module, ``callback_base`` its ``Callback``; ``module`` is where
+    the classes are published (so that they pickle, as ``ddp_spawn`` requires)."""
     io = type("BCPCheckpointIO", (CheckpointIOMixin, checkpoint_io_base),
               {"__module__": module, "__doc__": CheckpointIOMixin.__doc__})
 
@@ -45,4 +47,6 @@ def bind(checkpoint_io_base: type, strategies: ModuleType, module: str) -> Bound
                  "Lightning's ModelParallelStrategy (FSDP2 and tensor parallelism), saving sharded checkpoints "
                  "through bcp on every rank; ``save_distributed_checkpoint`` has no effect.",
                  checkpoint_topology=device_mesh_topology),
+        type("MemoryTierCheckpoint", (MemoryTierCheckpointMixin, callback_base),
+             {"__module__": module, "__doc__": MemoryTierCheckpointMixin.__doc__}),
     )

@@ -6,6 +6,12 @@ takes for single-device and DDP training, where every rank holds the whole state
 rank 0's dict and every rank reads it back whole. Sharded training needs every rank and the live
 objects; bcp_lightning's strategies call ``save_on_ranks``/``load_into`` for that.
 
+With ``BCPCheckpointIO(memory_tier=bcp.MemoryTier(...))`` the checkpoint path
+``bcp_lightning.MEMORY_TIER`` names that tier (``Trainer.save_checkpoint(MEMORY_TIER)``,
+``trainer.fit(ckpt_path=MEMORY_TIER)``; ``bcp_lightning.MemoryTierCheckpoint`` saves to it every few
+steps): a tier is saved and loaded by every rank, so beyond one process it takes bcp_lightning's
+strategies.
+
 Asynchronous saving is the plugin's own mode (``async_save=True``): the state is staged in host
 memory on the calling thread and committed in the background in call order, so removals and loads
 are ordered after the saves before them. Under Lightning's ``AsyncCheckpointIO`` wrapper the plugin
@@ -20,9 +26,10 @@ from typing import Any, Mapping
 
 import bcp
 from bcp.integration import default_coordinator
-from bcp_lightning import convert, loader_states, options, paths, torch_files
+from bcp_lightning import convert, loader_states, options, paths, targets, torch_files
 from bcp_lightning.options import DEFAULT_IO_THREADS, DEFAULT_KEEP_GENERATIONS, Options
 from bcp_lightning.pending import PendingSaves
+from bcp_lightning.targets import Target
 
 
 class CheckpointIOMixin:
@@ -39,22 +46,34 @@ class CheckpointIOMixin:
     ``keep_generations=N`` keeps the N newest committed generations of a path saved again
     (``last.ckpt``); ``load_generation=G`` makes the loads through this plugin (``ckpt_path=``
     resumes) read the kept generation G instead of the newest: a roll-back after a loss spike.
+
+    ``memory_tier``: a ``bcp.MemoryTier`` that the checkpoint path ``bcp_lightning.MEMORY_TIER``
+    names (node memory, replicated to peer nodes, persisted every few saves).
+
+    ``last_load`` is the ``bcp.LoadResult`` of the newest load through this plugin (for a memory
+    tier, its ``source`` says whether node memory or the persistent copy was read, and why).
     """
 
     def __init__(self, *, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
                  verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS,
-                 keep_generations: int = DEFAULT_KEEP_GENERATIONS, load_generation: int | None = None) -> None:
+                 keep_generations: int = DEFAULT_KEEP_GENERATIONS, load_generation: int | None = None,
+                 memory_tier: "bcp.MemoryTier | None" = None) -> None:
         super().__init__()
+        if memory_tier is not None and not targets.is_tier(memory_tier):
+            raise TypeError(f"memory_tier takes a bcp.MemoryTier, got {type(memory_tier).__name__}")
+        self.memory_tier = memory_tier
         self.options = Options.of(async_save=async_save, allow_pickle=allow_pickle, verify=verify,
                                   verify_replicas=verify_replicas, io_threads=io_threads,
                                   keep_generations=keep_generations, load_generation=load_generation)
         self._pending = PendingSaves()
+        self.last_load: bcp.LoadResult | None = None
 
     # Lightning's CheckpointIO interface.
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Save Lightning's checkpoint dict from this rank alone (Lightning calls it on rank 0).
         ``storage_options`` override this plugin's options for this save: see ``options.STORAGE_OPTION_TYPES``."""
+        _refuse_tier_from_one_rank(self._target(path), "saved")
         self.save_on_ranks(checkpoint, path, bcp.SingleProcessCoordinator(), storage_options=storage_options)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
@@ -66,7 +85,8 @@ class CheckpointIOMixin:
             raise TypeError("BCPCheckpointIO.load_checkpoint loads tensors on the CPU; map_location is not "
                             "supported, move the loaded tensors instead")
         location = self._before_load(path)
-        if paths.is_single_file(location):
+        _refuse_tier_from_one_rank(location, "loaded")
+        if isinstance(location, str) and paths.is_single_file(location):
             if self.options.load.generation is not None:
                 raise bcp.CheckpointNotFoundError(
                     f"load_generation={self.options.load.generation} asks for a kept generation, but this is a "
@@ -98,13 +118,13 @@ class CheckpointIOMixin:
         """Save Lightning's checkpoint dict; every rank of ``coordinator`` (default: the world) calls
         it with its own dict, whose state may be sharded (DTensors, FSDP1 shards). ``topology``: the
         rank's parallel coordinates for the metrics record (default: its rank in the group as ``dp``)."""
-        location = os.fspath(path)
-        opts = options.for_save(self.options.save, storage_options, location)
+        location = self._target(path)
+        opts = options.for_save(self.options.save, storage_options, targets.name(location))
         coordinator = coordinator or default_coordinator()
-        pending = self._pending.start(location)
+        pending = self._pending.start(targets.name(location))
         handle = None
         try:
-            if coordinator.rank == 0:
+            if coordinator.rank == 0 and isinstance(location, str):
                 # Other ranks touch the path only after rank 0 has planned the save, so no barrier is needed.
                 paths.prepare_for_save(location)
             handle = bcp.save(location, _components(checkpoint, coordinator), opts, coordinator=coordinator,
@@ -122,7 +142,7 @@ class CheckpointIOMixin:
         index-keyed ``optimizer_states`` when the checkpoint has only those (saved under Lightning's own
         DDP strategy): the caller decides."""
         location = self._before_load(path)
-        if paths.is_single_file(location):
+        if isinstance(location, str) and paths.is_single_file(location):
             raise bcp.CheckpointNotFoundError(
                 "this is a single-file checkpoint of Lightning's TorchCheckpointIO, which bcp_lightning's strategies "
                 "do not load (they load sharded state in place); resume it once with Lightning's own strategy and "
@@ -137,7 +157,7 @@ class CheckpointIOMixin:
             elif convert.OPTIMIZER_STATES not in rest:
                 raise bcp.CheckpointError(
                     "the checkpoint holds no optimizer state (saved with weights_only=True?); training cannot "
-                    "resume from it, only evaluate", path=location)
+                    "resume from it, only evaluate", path=targets.name(location))
         self._load(location, state, coordinator, strict=strict, weights_only=None, topology=topology)
         convert.write_back(model_state, state[convert.MODEL])
         if convert.OPTIMIZER in state:
@@ -151,13 +171,17 @@ class CheckpointIOMixin:
 
     # Internals.
 
-    def _before_load(self, path: Any) -> str:
+    def _target(self, path: Any) -> Target:
+        return targets.of(path, self.memory_tier)
+
+    def _before_load(self, path: Any) -> Target:
         self.wait()
-        location = os.fspath(path)
-        paths.check_loadable(location)
+        location = self._target(path)
+        if isinstance(location, str):
+            paths.check_loadable(location)
         return location
 
-    def _read_metadata(self, location: str, coordinator: bcp.Coordinator,
+    def _read_metadata(self, location: Target, coordinator: bcp.Coordinator,
                        weights_only: bool | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """Lightning's plain entries and the layout record, read before any tensor."""
         meta: dict[str, Any] = {convert.REST: None, convert.LAYOUT: None}
@@ -166,18 +190,21 @@ class CheckpointIOMixin:
         if result.missing:
             raise bcp.CheckpointError(
                 f"not a Lightning checkpoint saved by bcp_lightning (no {convert.REST!r} component); load it "
-                "with bcp.load into your LightningModule and optimizer instead", path=location)
-        convert.check_layout(meta[convert.LAYOUT], location)
+                "with bcp.load into your LightningModule and optimizer instead", path=targets.name(location))
+        convert.check_layout(meta[convert.LAYOUT], targets.name(location))
         return meta[convert.REST], meta[convert.LAYOUT]
 
-    def _load(self, location: str, state: dict[str, Any], coordinator: bcp.Coordinator, *, strict: bool,
+    def _load(self, location: Target, state: dict[str, Any], coordinator: bcp.Coordinator, *, strict: bool,
               weights_only: bool | None, topology: Mapping[str, int] | None = None,
               recorded: bool = True) -> bcp.LoadResult:
         opts = self.options.load
-        return bcp.load(location, state, opts, strict=strict, coordinator=coordinator,
-                        topology=_topology(opts, topology, coordinator),
-                        metrics_log=opts.metrics_log if recorded else False,
-                        allow_pickle=opts.allow_pickle and weights_only is not True)
+        result = bcp.load(location, state, opts, strict=strict, coordinator=coordinator,
+                          topology=_topology(opts, topology, coordinator),
+                          metrics_log=opts.metrics_log if recorded else False,
+                          allow_pickle=opts.allow_pickle and weights_only is not True)
+        if recorded:
+            self.last_load = result
+        return result
 
 
 def _global_step(checkpoint: Mapping[str, Any]) -> int | None:
@@ -199,3 +226,15 @@ def _components(checkpoint: Mapping[str, Any], coordinator: bcp.Coordinator) -> 
     components.update(loaders)
     components[convert.LAYOUT][loader_states.COMPONENT] = bool(loaders)
     return components
+
+
+def _refuse_tier_from_one_rank(target: Target, done: str) -> None:
+    """A memory tier spans the ranks of the job; Lightning's own strategies call a plugin on rank 0
+    alone (saves) or on each rank alone (loads)."""
+    import torch.distributed as dist
+
+    if targets.is_tier(target) and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise bcp.CheckpointError(
+            f"a memory tier is {done} by every rank together, and this plugin is being called by one rank alone "
+            "(Lightning's own strategies do that): use bcp_lightning's BCPDDPStrategy, BCPFSDPStrategy or "
+            "BCPModelParallelStrategy with a memory tier", path=targets.name(target))

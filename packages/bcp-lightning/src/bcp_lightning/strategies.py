@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 
 import bcp
-from bcp_lightning import convert
+from bcp_lightning import convert, targets
 from bcp_lightning.io import CheckpointIOMixin
 from bcp_lightning.live_state import TORCH_STATE_DICTS, LiveState
 
@@ -64,14 +64,15 @@ class StrategyMixin:
         return self.live_state.optimizer(self.model, _unwrap(optimizer), for_load=False)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Every rank saves its part; the path is rank 0's. ``storage_options`` as for ``BCPCheckpointIO``."""
-        path = self.broadcast(os.fspath(filepath))
+        """Every rank saves its part; the path is rank 0's.
+        ``storage_options`` as for ``BCPCheckpointIO``."""
+        path = self._agreed_target(filepath)
         self.checkpoint_io.save_on_ranks(checkpoint, path, storage_options=storage_options,
                                          topology=self.checkpoint_topology())
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load the model, and the optimizers when fitting, in place; return Lightning's other entries."""
-        path = self.broadcast(os.fspath(checkpoint_path))
+        path = self._agreed_target(checkpoint_path)
         strict = self.lightning_module.strict_loading
         optimizers = [_unwrap(o) for o in self.optimizers] if self.lightning_module.trainer.state.fn == "fit" else []
         model_state = self.live_state.model(self.model)
@@ -102,13 +103,18 @@ class StrategyMixin:
         # FSDPStrategy and ModelParallelStrategy do not tear the plugin down; pending saves must finish.
         self.checkpoint_io.teardown()
 
-    def _load_index_keyed_optimizer_states(self, checkpoint: Mapping[str, Any], path: str) -> None:
+    def _agreed_target(self, path: Any) -> Any:
+        """Rank 0's checkpoint path, as Lightning's strategies use; a ``bcp.MemoryTier`` object is
+        every rank's own (each holds its node's part of the tier)."""
+        return path if targets.is_tier(path) else self.broadcast(os.fspath(path))
+
+    def _load_index_keyed_optimizer_states(self, checkpoint: Mapping[str, Any], path: Any) -> None:
         if not self.loads_index_keyed_optimizer_states:
             raise bcp.CheckpointError(
                 "the optimizer state in this checkpoint is keyed by parameter index (it was saved by "
                 "BCPCheckpointIO under Lightning's own DDP or single-device strategy), so it cannot be resharded "
                 f"into {type(self).__name__}; resume it with BCPDDPStrategy or Lightning's DDP, or save it with "
-                "BCPDDPStrategy, whose checkpoints reshard into every strategy", path=path)
+                "BCPDDPStrategy, whose checkpoints reshard into every strategy", path=targets.name(path))
         for optimizer, state in zip(self.optimizers, checkpoint[convert.OPTIMIZER_STATES]):
             _unwrap(optimizer).load_state_dict(state)
 

@@ -9,6 +9,9 @@ With Megatron-Core <= 0.16, importing the package registers the ``('bcp', 1)`` b
 Megatron-Core 0.17+ has no registry: pass ``bcp_megatron.BcpSaveShardedStrategy()`` and
 ``bcp_megatron.BcpLoadShardedStrategy()`` explicitly (the same names, built on torch_dist's classes).
 Megatron-LM training scripts accept ``--ckpt-format bcp`` through ``python -m bcp_megatron.launch``.
+``bcp_megatron.save_to_tier``/``load_from_tier`` save and load a sharded state dict in a
+``bcp.MemoryTier`` (node memory, replicated to peer nodes, persisted every few saves): the
+counterpart of Megatron-LM's non-persistent local checkpoints.
 """
 
 from megatron.core.dist_checkpointing.strategies import base as _megatron_strategies
@@ -20,6 +23,9 @@ if hasattr(_megatron_strategies, "register_default_strategy"):  # Megatron-Core 
 else:
     from bcp_megatron.strategies_torch_dist import BcpLoadShardedStrategy, BcpSaveShardedStrategy, register
 
+from bcp_megatron.memory_tier import load_from_tier, save_to_tier
+
 register()
 
-__all__ = ["BACKEND", "VERSION", "BcpSaveShardedStrategy", "BcpLoadShardedStrategy", "register", "__version__"]
+__all__ = ["BACKEND", "VERSION", "BcpSaveShardedStrategy", "BcpLoadShardedStrategy", "load_from_tier", "register",
+           "save_to_tier", "__version__"]

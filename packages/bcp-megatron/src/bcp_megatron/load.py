@@ -39,11 +39,18 @@ class BcpLoader:
         """Collective: fill every rank's ShardedTensors in place and return the state dict with each
         sharded value replaced by its loaded tensor or object. Runs bcp's load sequence, so no rank's
         tensors are written unless every rank read and verified its share."""
-        wanted = _ShardedWanted(sharded_state_dict, self.options)
+        return self.load_with_values(sharded_state_dict, checkpoint_dir, ())[0]
+
+    def load_with_values(self, sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike | bcp.MemoryTier",
+                         values: tuple[str, ...]) -> tuple[dict, dict[str, Any], bcp.LoadResult]:
+        """:meth:`load` from a folder or a memory tier, also reading the plain ``values`` saved
+        beside the sharded state (each as the first rank that saved it wrote it); returns the state
+        dict, those values by name and the load's result."""
+        wanted = _ShardedWanted(sharded_state_dict, self.options, values)
         # Megatron-Core logs its strategies' routine work at DEBUG, as saving does.
-        load_wanted(checkpoint_dir, wanted.plan, replace(self.options, topology=self.options.topology or
-                                                         parallel_topology(), summary_log_level=logging.DEBUG))
-        return wanted.state_dict()
+        result = load_wanted(checkpoint_dir, wanted.plan, replace(self.options, topology=self.options.topology or
+                                                                  parallel_topology(), summary_log_level=logging.DEBUG))
+        return wanted.state_dict(), wanted.plain_values, result
 
 
 def read_manifest(checkpoint_dir: "str | os.PathLike") -> Manifest:
@@ -82,8 +89,10 @@ class _ShardedWanted:
     records. Megatron compares the keys with the checkpoint's itself (its ``StrictHandling``), so no
     left-over names are reported."""
 
-    def __init__(self, sharded_state_dict: dict, options: bcp.LoadOptions) -> None:
-        self.sharded_state_dict, self.options = sharded_state_dict, options
+    def __init__(self, sharded_state_dict: dict, options: bcp.LoadOptions, plain: tuple[str, ...] = ()) -> None:
+        self.sharded_state_dict, self.options, self.plain = sharded_state_dict, options, plain
+        #: The plain values read (``plain``), by name.
+        self.plain_values: dict[str, Any] = {}
         self.pieces: list[Piece] = []
         self.values: dict[int, Any] = {}
         self.objects: list[tuple[ShardedObject, str]] = []
@@ -110,6 +119,11 @@ class _ShardedWanted:
             else:
                 raise bcp.UnsupportedValueError(f"cannot load into a {type(value).__name__}: only ShardedTensor and "
                                                 "ShardedObject values are read by the strategy")
+        unsaved = [name for name in self.plain if name not in manifest.objects]
+        if unsaved:
+            raise bcp.MismatchError(f"the checkpoint holds no {', '.join(unsaved)}: it was not saved with them "
+                                    "(a memory tier's Megatron state is saved by bcp_megatron.save_to_tier)",
+                                    path=checkpoint.path)
         if absent:
             more = f" and {len(absent) - _LISTED} more" if len(absent) > _LISTED else ""
             shown = ", ".join(sorted(absent)[:_LISTED]) + more
@@ -138,7 +152,7 @@ class _ShardedWanted:
 
     def read_values(self, checkpoint: Checkpoint, coord: Coordinator, result: bcp.LoadResult) -> dict[str, Any]:
         # each object from the record its main replica wrote, whichever rank that was
-        sources = {name: checkpoint.value_source(name) for _, name in self.objects}
+        sources = {name: checkpoint.value_source(name) for name in [n for _, n in self.objects] + list(self.plain)}
         return checkpoint.read_objects(sources, allow_pickle=self.options.allow_pickle)
 
     def apply(self, loaded: dict[str, Any]) -> None:
@@ -146,6 +160,7 @@ class _ShardedWanted:
             data.detach().copy_(zeros)
         for value, name in self.objects:
             self.values[id(value)] = restored(loaded[name])
+        self.plain_values = {name: loaded[name] for name in self.plain}
 
     def state_dict(self) -> dict:
         """The state dict with each sharded value replaced by what was loaded into it."""

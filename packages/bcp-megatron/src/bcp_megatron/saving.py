@@ -27,12 +27,15 @@ class BcpSaver:
     def __init__(self, options: bcp.SaveOptions) -> None:
         self.options = options
 
-    def save(self, sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike", *,
-             async_save: bool) -> bcp.SaveHandle:
+    def save(self, sharded_state_dict: dict, checkpoint_dir: "str | os.PathLike | bcp.MemoryTier", *,
+             async_save: bool, extra: dict | None = None) -> bcp.SaveHandle:
+        """Save the sharded state dict's tensors and objects, and ``extra`` components of this
+        rank's (plain values), to a folder or a memory tier."""
         coord = as_coordinator(self.options.coordinator)
         values = save_values(sharded_state_dict)
         # Both components on every rank, so the manifest names Megatron whichever rank commits.
         state = {component: MegatronValues(values.get(component, {})) for component in COMPONENTS}
+        state.update(extra or {})
         # Megatron-Core logs its strategies' routine work at DEBUG (Megatron-LM prints its own line
         # per save): bcp's summary follows, so a Megatron log at INFO gets nothing new from a save.
         return bcp.save(checkpoint_dir, state, self.options, framework=ADAPTER_NAME, async_save=async_save,

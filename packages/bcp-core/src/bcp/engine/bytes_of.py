@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 
@@ -30,3 +31,14 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     memory = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
     memory.owner = tensor  # the view holds ``memory``, which holds the tensor
     return memoryview(memory).cast("B")
+
+
+def tensor_over(view: memoryview) -> torch.Tensor:
+    """A uint8 tensor over a flat byte view's memory, which it keeps alive, read-only memory included
+    (the buffers a storage fetched), so that torch reads those bytes where they are, with no copy
+    (``torch.frombuffer`` warns on read-only memory). Nothing may write through it."""
+    if not view.nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    memory = (ctypes.c_ubyte * view.nbytes).from_address(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    memory.owner = view  # the tensor holds ``memory``, which holds the view and its buffer
+    return torch.frombuffer(memory, dtype=torch.uint8)

@@ -10,9 +10,11 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
-from bcp.engine.bytes_of import byte_view
+import torch
+
+from bcp.engine.bytes_of import byte_view, tensor_over
 from bcp.engine.location import Location
 from bcp.engine.read_lanes import Lanes, Scratch
 from bcp.engine.read_segments import Progress, Segment, SegmentPlanner, batches_of
@@ -21,6 +23,9 @@ from bcp.errors import CorruptCheckpointError, StorageError
 from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry
 from bcp.layout.read_op import ReadOp
 from bcp.layout.values import decode_value
+from bcp.storage.range_reads import ViewReads
+
+T = TypeVar("T")
 
 
 class ShardReader:
@@ -88,9 +93,14 @@ class ShardReader:
             raise
 
     def _read_batch(self, batch: list[Segment], scratch: Scratch, on_done: Callable[[ReadOp], None] | None) -> None:
-        slots = scratch.slots(batch)
-        views = [s.dests if s.dests is not None else [byte_view(slot)] for s, slot in zip(batch, slots)]
-        self._fill(batch, views)
+        fetched = self._fetched(batch)
+        if fetched is not None:  # the storage's own buffers stand in for scratch: a copy of every byte less
+            slots: list[torch.Tensor | None] = [tensor_over(view) for view in fetched]
+            views = [[view] for view in fetched]
+        else:
+            slots = scratch.slots(batch)
+            views = [s.dests if s.dests is not None else [byte_view(slot)] for s, slot in zip(batch, slots)]
+            self._fill(batch, views)
         for segment, segment_views, slot in zip(batch, views, slots):
             if self.verify:
                 self._verifier.check(segment.where, segment.start, segment_views, segment.key)
@@ -105,6 +115,26 @@ class ShardReader:
         with self._lock:
             progress.left -= 1
             return progress.left == 0
+
+    def _fetched(self, batch: list[Segment]) -> list[memoryview] | None:
+        """A batch of scratch segments as views of the buffers the storage fetched them into, where it
+        hands those out (object stores: a resharded load verifies and copies out of the fetched
+        bytes); None to read into scratch (local files are read straight into it)."""
+        storage = self.location.storage
+        if not isinstance(storage, ViewReads) or any(s.dests is not None for s in batch):
+            return None
+        first = batch[0]
+        try:
+            fetched = self._storage_read(first.where, first.key, lambda name: storage.read_views(
+                name, first.where.offset + first.start, [s.nbytes for s in batch]))
+        except (CorruptCheckpointError, StorageError):
+            if len(batch) == 1:
+                raise
+            return None  # read into scratch instead, where a failure is retried segment by segment to name its tensor
+        if fetched is not None:
+            with self._lock:
+                self.bytes_read += sum(view.nbytes for view in fetched)
+        return fetched
 
     def _fill(self, batch: list[Segment], views: list[list[memoryview]]) -> None:
         """One vectored read of a batch; if it fails, its segments one by one, so that the error
@@ -129,17 +159,22 @@ class ShardReader:
 
     def _read_into(self, where: ByteRange, start: int, views: list[memoryview], key: str) -> None:
         """Consecutive bytes of a stored file from ``start`` of ``where`` into ``views``."""
+        self._storage_read(where, key, lambda name: self.location.storage.read_into_many(name, where.offset + start,
+                                                                                          views))
+        with self._lock:
+            self.bytes_read += sum(view.nbytes for view in views)
+
+    def _storage_read(self, where: ByteRange, key: str, read: Callable[[str], T]) -> T:
+        """``read(name)`` of the stored file of ``where``, its failures as the checkpoint's errors."""
         file = self.manifest.files[where.file]
         try:
-            self.location.storage.read_into_many(self.location.name(self.generation, file), where.offset + start, views)
+            return read(self.location.name(self.generation, file))
         except FileNotFoundError:
             raise CorruptCheckpointError(self._missing(file), path=self.display, key=key) from None
         except EOFError:
             raise CorruptCheckpointError(f"data file {file} is truncated", path=self.display, key=key) from None
         except OSError as exc:
             raise StorageError(f"reading {file} failed: {exc}", path=self.display, key=key) from exc
-        with self._lock:
-            self.bytes_read += sum(view.nbytes for view in views)
 
     def read_object(self, entry: ObjectEntry, rank: int, *, allow_pickle: bool) -> Any:
         where, tree_nbytes = entry.records[entry.ranks[rank]]

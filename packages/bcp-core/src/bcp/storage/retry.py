@@ -27,6 +27,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 from bcp.errors import StorageError
 from bcp.storage.base import Storage
+from bcp.storage.range_reads import ViewReads
 
 log = logging.getLogger("bcp.storage")
 T = TypeVar("T")
@@ -191,6 +192,15 @@ class RetryingStorage(Storage):
         nbytes = sum(d.nbytes for d in dests)
         self._call(f"reading {self._where(name, offset, nbytes)}",
                    lambda: self.inner.read_into_many(name, offset, dests))
+
+    def read_views(self, name: str, offset: int, sizes: Sequence[int]) -> list[memoryview] | None:
+        """``inner``'s views of the fetched bytes (:class:`~bcp.storage.range_reads.ViewReads`), or None
+        where it has none to hand out."""
+        if not isinstance(self.inner, ViewReads):
+            return None
+        views_of = self.inner
+        return self._call(f"reading {self._where(name, offset, sum(sizes))}",
+                          lambda: views_of.read_views(name, offset, sizes))
 
     def read_bytes(self, name: str) -> bytes:
         return self._call(f"reading {self._where(name)}", lambda: self.inner.read_bytes(name))

@@ -23,7 +23,7 @@ from typing import Any
 
 from bcp.errors import StorageError
 from bcp.storage.names import child_names, flat_bytes, join_key, split_url
-from bcp.storage.range_reads import RangeReads
+from bcp.storage.range_reads import RangeReads, cut_views, request_spans
 from bcp.storage.retry import RetryingStorage, RetryPolicy
 from bcp.storage.s3_connection import MAX_REQUESTS, S3RequestError, S3Settings, connect
 from bcp.storage.s3_multipart import MIN_PART_BYTES, MultipartUpload
@@ -139,15 +139,27 @@ class S3Objects(RangeReads):
     def read_range(self, name: str, offset: int, nbytes: int) -> list[Any]:
         """Ranged GETs of at most one part each, in parallel, as many at once as the store's request
         cap lets one call hold."""
-        starts = list(range(offset, offset + nbytes, PART_BYTES))
-        ends = [min(start + PART_BYTES, offset + nbytes) for start in starts]
-        batch = self.connection.slots.limit
-        pieces: list[Any] = []
-        for first in range(0, len(starts), batch):
-            with self._request(name, len(starts[first:first + batch])):
-                pieces += self._ob.get_ranges(self._store, self._key(name), starts=starts[first:first + batch],
-                                              ends=ends[first:first + batch], coalesce=0)
-        return pieces
+        return self._get(name, request_spans(offset, [nbytes], PART_BYTES))
+
+    def read_views(self, name: str, offset: int, sizes: Sequence[int]) -> list[memoryview]:
+        """As :meth:`read_range`, each GET ending where a size does (up to a part of consecutive sizes
+        per GET), so every view is a slice of one fetched buffer: no byte is copied."""
+        return cut_views(self._get(name, request_spans(offset, sizes, PART_BYTES)), sizes,
+                         lambda end: f"{self.root}/{name}: file ends before byte {offset + end}")
+
+    def _get(self, name: str, spans: list[tuple[int, int]]) -> list[Any]:
+        """One ranged GET per ``(start, end)`` span, each holding one of the store's request slots
+        while it runs, in parallel on the store's fetch threads: a call never waits for as many free
+        slots as it has spans (several callers asking for several ranges at once would then take
+        turns, each leaving slots idle), so the store's cap is kept full as long as there is work."""
+
+        def one(span: tuple[int, int]) -> Any:
+            with self._request(name):
+                return self._ob.get_range(self._store, self._key(name), start=span[0], end=span[1])
+
+        if len(spans) == 1:
+            return [one(spans[0])]
+        return list(self.connection.fetches.map(one, spans))
 
     def read_bytes(self, name: str) -> bytes:
         with self._request(name):

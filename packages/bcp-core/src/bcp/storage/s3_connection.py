@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Mapping
 from dataclasses import astuple, dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -81,7 +82,8 @@ class S3Settings:
 
 
 class S3Connection:
-    """A bucket's botocore client (``client``), obstore store (``store``) and request cap (``slots``)."""
+    """A bucket's botocore client (``client``), obstore store (``store``), request cap (``slots``) and
+    threads for parallel reads (``fetches``)."""
 
     def __init__(self, bucket: str, settings: S3Settings) -> None:
         import botocore.config
@@ -101,6 +103,9 @@ class S3Connection:
         self.bucket, self.region, self.addressing_style = bucket, region, style
         self.ca_bundle: str | None = settings.ca_bundle or session.get_config_variable("ca_bundle")
         self.slots = RequestSlots(settings.max_requests)
+        self.fetches = ThreadPoolExecutor(settings.max_requests, thread_name_prefix="bcp-s3-get")
+        """Threads for the ranged GETs of the store's reads, one per request slot: each GET runs on
+        its own and waits for one slot, whoever asked for it."""
         self._session = session
         self.client = session.create_client(
             "s3", region_name=region, endpoint_url=endpoint, verify=self.ca_bundle,
@@ -123,8 +128,14 @@ class S3Connection:
 
     def credentials(self) -> Any:
         """botocore's credentials for this store (refreshed by botocore when temporary); a permanent
-        :class:`S3RequestError` when the chain finds none."""
+        :class:`S3RequestError` when the chain finds none or their source refuses them (an STS that
+        rejects a web identity token), a transient one when their source does not answer."""
         found = self._session.get_credentials()
+        if found is not None:
+            try:  # temporary credentials are fetched or refreshed here, where a failure can be classified
+                found.get_frozen_credentials()
+            except Exception as exc:  # noqa: BLE001 - classified: the source's reply decides a retry
+                raise self._classified(exc, f"getting credentials ({found.method}) for {self.endpoint}") from exc
         if found is None:
             raise S3RequestError(
                 f"{self.endpoint}: no AWS credentials found (looked for keys in the options, AWS_ACCESS_KEY_ID/"
@@ -162,7 +173,9 @@ class S3Connection:
         if isinstance(exc, errors.ClientError):
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             code = exc.response.get("Error", {}).get("Code")
-            return S3RequestError(f"{where}: HTTP {status}{f' {code}' if code else ''}", status, code)
+            reason = exc.response.get("Error", {}).get("Message")
+            detail = f"{f' {code}' if code else ''}{f': {reason}' if reason else ''}"
+            return S3RequestError(f"{where}: HTTP {status}{detail}", status, code)
         if isinstance(exc, (errors.ConnectionError, errors.HTTPClientError)):  # refused, reset, timed out
             return S3RequestError(f"{where}: no reply ({exc})", None, None)
         if isinstance(exc, errors.BotoCoreError):
