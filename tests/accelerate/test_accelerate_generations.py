@@ -1,6 +1,7 @@
 """``bcp_accelerate.enable(accelerator, keep_generations=N)``: ``save_state`` into one folder again
 keeps the N newest committed generations with accelerate's files of each, and
-``load_state(folder, generation=)`` resumes from an older one on 2 processes, bitwise."""
+``load_state(folder, generation=)`` resumes from an older one on 2 processes, bitwise; each
+generation records the step it was saved at."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import bcp
 import bcp_accelerate
 from accelerate_helpers import assert_restored, build, scramble_rng, session, snapshot, train
-from bcp.integration import checkpoint_location
+from bcp.integration import checkpoint_location, open_checkpoint
 
 
 def kept(folder: str) -> list[int]:
@@ -24,12 +25,16 @@ def save_twice_resume_older(folder: str) -> list[float]:
         bcp_accelerate.enable(accelerator, keep_generations=2)
         model, optimizer, scheduler = build(accelerator, seed=1)
         train(accelerator, model, optimizer, scheduler, range(2))
+        steps = [accelerator.step]
         accelerator.save_state(folder)
         older = snapshot(accelerator, model, optimizer, scheduler)
         reference = train(accelerator, model, optimizer, scheduler, range(2, 4))
+        steps.append(accelerator.step)
         accelerator.save_state(folder)
         generations = kept(folder)
         assert len(generations) == 2
+        # Each generation records Accelerate's step counter (what its own save_state stores as "step").
+        assert [open_checkpoint(folder, generation=g).manifest.step for g in generations] == steps
         # Each kept generation still has the sub-folder of accelerate's files it names.
         assert sum(name.startswith("accelerate-") for name in os.listdir(folder)) == 2
     with session("bcp") as accelerator:

@@ -122,6 +122,12 @@ def test_two_models_with_two_optimizers_under_chosen_names(ranks, tmp_path, src,
     assert "nets/student/fc1.weight" in manifest.tensors and "opt_teacher/state/fc2.bias/exp_avg" in manifest.tensors
     if src == "ddp":  # replicated on both ranks, written by one
         assert all(len(entry.shards) == 1 for entry in manifest.tensors.values())
+    # Whatever the layout, every element of every tensor is stored once (FSDP2: each parameter's and
+    # moment's rows once, the replicated Adam steps by one rank), and the identical param groups of
+    # both ranks are one record.
+    for name, entry in manifest.tensors.items():
+        assert sum(torch.Size(s.box.lengths).numel() for s in entry.shards) == torch.Size(entry.shape).numel(), name
+    assert [len(manifest.objects[f"{o}/param_groups"].records) for o in ("opt_student", "opt_teacher")] == [1, 1]
     loaded = [load_two_models(dst, str(path))] if dst_world == 1 else ranks(dst_world).run(load_two_models, dst,
                                                                                             str(path))
     assert_bitwise(saved, loaded[0])
@@ -204,14 +210,40 @@ def save_stage(path: str) -> dict:
     return _parts_whole(parts, optimizers)
 
 
-def test_pipeline_parts_as_a_list_load_into_another_split(ranks, tmp_path):
-    path = str(tmp_path / "ckpt")
+def load_split(path: str, splits: list[list[list[int]]]) -> dict:
+    """This rank's parts (``splits[rank]``: the layers of each part) with their optimizers, loaded strictly."""
+    parts, optimizers = _parts(splits[rank()])
+    bcp.load(path, {"model": parts, "optimizer": optimizers})
+    return _parts_whole(parts, optimizers)
+
+
+def _saved_stages(ranks, path: str) -> dict:
     saved = {}
     for stage in ranks(2).run(save_stage, path):
         saved |= stage
+    return saved
+
+
+def test_pipeline_parts_as_a_list_load_into_another_split(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = _saved_stages(ranks, path)
     parts, optimizers = _parts([[0], [1, 2], [3]])  # one process, three parts: another split
     bcp.load(path, {"model": parts, "optimizer": optimizers})
     assert_bitwise(saved, _parts_whole(parts, optimizers))
+
+
+@pytest.mark.parametrize("world,splits", [
+    (3, [[[0]], [[1, 2]], [[3]]]),  # three stages of 1, 2 and 1 layers
+    (2, [[[0], [3]], [[1], [2]]]),  # two ranks, two parts each, interleaved (a looped schedule)
+])
+def test_pipeline_parts_load_into_another_multi_rank_split(ranks, tmp_path, world, splits):
+    path = str(tmp_path / "ckpt")
+    saved = _saved_stages(ranks, path)
+    loaded = {}
+    for held in ranks(world).run(load_split, path, splits):
+        assert not loaded.keys() & held.keys()
+        loaded |= held
+    assert_bitwise(saved, loaded)
 
 
 def test_an_optimizer_over_a_module_and_its_submodule_needs_a_pairing(tmp_path):

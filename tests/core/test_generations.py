@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import bcp
+from bcp.integration import checkpoint_location, open_checkpoint
 from models import build, train
 
 
@@ -25,3 +26,20 @@ def test_an_older_kept_generation_loads_bitwise(tmp_path):
     first = sorted(snapshots)[0]  # removed: keep_generations=2
     with pytest.raises(bcp.CheckpointNotFoundError, match=rf"no generation {first} .*kept are \[{older}, {older + 1}\]"):
         bcp.load(path, {"model": fresh}, generation=first)
+
+
+def test_each_generation_records_the_step_it_was_saved_at(tmp_path):
+    path = str(tmp_path / "ckpt")
+    model, optimizer = build("plain", seed=1)
+    for step in (10, 20):
+        bcp.save(path, {"model": model, "optimizer": optimizer}, step=step, keep_generations=3)
+    bcp.save(path, {"model": model}, keep_generations=3)  # a save that does not say
+    location = checkpoint_location(path, None)
+    steps = [open_checkpoint(path, generation=g).manifest.step for g in location.generations()]
+    assert steps == [10, 20, None]
+
+
+@pytest.mark.parametrize("step", [-1, 1.5, True, "3"])
+def test_a_step_that_is_not_a_training_step_is_refused(tmp_path, step):
+    with pytest.raises(bcp.CheckpointError, match="step must be a non-negative int"):
+        bcp.save(str(tmp_path / "ckpt"), {"model": torch.nn.Linear(2, 2)}, step=step)

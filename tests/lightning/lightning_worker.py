@@ -128,11 +128,13 @@ def _dataset(seed: int) -> torch.utils.data.TensorDataset:
 
 
 def full_state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
-    """Every model and optimizer tensor, whole, by FQN (a collective: all ranks call it)."""
+    """Every model and optimizer tensor, whole, by FQN (a collective: all ranks call it). An
+    optimizer without state is left out: torch's get_optimizer_state_dict would create its state
+    with a step."""
     options = StateDictOptions(full_state_dict=True)
     model = trainer.strategy.model
     out = {f"model/{k}": v.detach().clone() for k, v in get_model_state_dict(model, options=options).items()}
-    for i, optimizer in enumerate(trainer.optimizers):
+    for i, optimizer in enumerate(o for o in trainer.optimizers if any(o.state.values())):
         state = get_optimizer_state_dict(model, optimizer, options=options)["state"]
         for fqn, per_param in state.items():
             out.update({f"optimizer{i}/{fqn}/{k}": torch.as_tensor(v).detach().clone() for k, v in per_param.items()})
@@ -168,6 +170,16 @@ class Recorder(Callback):
         self.saved_lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
 
 
+class SaveAtStart(Callback):
+    """``Trainer.save_checkpoint(path)`` when training starts, before any optimizer step."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
 STRATEGIES = {
     "ddp": lambda: DDPStrategy(),
     "bcp_ddp": lambda: BCPDDPStrategy(),
@@ -183,12 +195,13 @@ LAYOUTS = {"ddp": "replicated", "bcp_ddp": "replicated", "bcp_fsdp": "fsdp1", "b
 def fit(strategy: str, dirpath: str, epochs: int, resume_from: str | None = None, plugin: bool = False,
         async_save: bool = False, keep_generations: int = 1, load_generation: int | None = None,
         save_last: Any = True, top_k: int = -1, monitor: str = "val_loss",
-        extra_saves: tuple[tuple[Any, ...], ...] = ()) -> dict[str, Any]:
+        extra_saves: tuple[tuple[Any, ...], ...] = (), save_at_start: str | None = None) -> dict[str, Any]:
     """One ``Trainer.fit``; ``plugin`` adds BCPCheckpointIO (for Lightning's own strategies, or an
     asynchronous one with ``async_save``); after
     it, ``Trainer.save_checkpoint(path, weights_only[, storage_options])`` for each of ``extra_saves``.
     ``keep_generations``/``load_generation`` are the plugin's (and add it). Monitoring
-    ``"step"`` (always improving) makes every epoch replace the worst of the top k."""
+    ``"step"`` (always improving) makes every epoch replace the worst of the top k. ``save_at_start``
+    saves a checkpoint there before the first optimizer step."""
     recorder = Recorder(resumed=resume_from is not None)
     checkpointing = ModelCheckpoint(dirpath=dirpath, filename="{epoch}", monitor=monitor, save_top_k=top_k,
                                     mode="max" if monitor == "step" else "min", save_last=save_last)
@@ -198,7 +211,8 @@ def fit(strategy: str, dirpath: str, epochs: int, resume_from: str | None = None
         accelerator="cpu", devices=WORLD_SIZE, strategy=STRATEGIES[strategy](),
         plugins=[BCPCheckpointIO(async_save=async_save, **generations)] if with_plugin else None, max_epochs=epochs,
         logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        callbacks=[recorder, checkpointing, EarlyStopping("val_loss", patience=100)])
+        callbacks=[recorder, checkpointing, EarlyStopping("val_loss", patience=100),
+                   *([SaveAtStart(save_at_start)] if save_at_start else [])])
     data = Data()
     trainer.fit(LitMLP(LAYOUTS[strategy]), datamodule=data, ckpt_path=resume_from)
     for path, weights_only, *storage_options in extra_saves:

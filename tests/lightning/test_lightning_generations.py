@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import bcp
-from bcp.integration import checkpoint_location
+from bcp.integration import checkpoint_location, open_checkpoint
 from bcp_lightning import BCPCheckpointIO
 from lightning_launch import run
 from models import assert_bitwise
@@ -21,6 +21,8 @@ def test_the_plugin_keeps_the_generations_asked_for(tmp_path):
         plugin.save_checkpoint({"state_dict": {"w": torch.full((3,), float(step))}, "global_step": step}, path)
     kept = checkpoint_location(path, None).generations()
     assert len(kept) == 2
+    # Each generation records Lightning's global_step.
+    assert [open_checkpoint(path, generation=g).manifest.step for g in kept] == [1, 2]
     state = {"model": {"w": torch.zeros(3)}}
     bcp.load(path, state, generation=kept[0], strict=False)
     assert torch.equal(state["model"]["w"], torch.full((3,), 1.0))

@@ -117,3 +117,11 @@ def test_launcher_binds_bcp_in_the_016_layout_and_refuses_unknown_ones():
     assert isinstance(checkpointing.get_default_save_sharded_strategy("torch_dist"), BcpSaveShardedStrategy)
     with pytest.raises(SystemExit, match="neither the 0.16 nor the 0.17 layout"):
         install_routes(types.ModuleType("megatron.training.checkpointing"))
+
+
+def test_the_step_of_a_save_is_the_iteration_megatron_lm_names_its_folder_after():
+    from bcp_megatron.saving import iteration_of
+
+    assert iteration_of("/runs/gpt/iter_0000100") == iteration_of("/runs/gpt/iter_0000100/") == 100
+    assert iteration_of("s3://bucket/gpt/iter_0000007") == 7
+    assert iteration_of("/runs/gpt/ckpt") is None and iteration_of("/runs/iter_0000100/extra") is None

@@ -10,7 +10,7 @@ import torch
 
 import bcp
 from bcp.cli import main
-from bcp.tools import convert_bcp_to_dcp, convert_dcp_to_bcp
+from bcp.tools import convert_bcp_to_dcp, convert_dcp_to_bcp, open_checkpoint
 from models import assert_bitwise, build, full_state, rank, train
 
 
@@ -140,3 +140,86 @@ def assert_same_tree(a, b, where: str = "") -> None:
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
     else:
         assert a == b, where
+
+
+def _any_state(seed: int) -> dict:
+    """An FSDP2 model with AdamW, an FSDP2 EMA copy and a DTensor nested in dicts, with a plain value beside it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from models import MLP
+
+    model, optimizer = build("fsdp2", seed=seed)
+    torch.manual_seed(seed + 100)
+    ema = MLP()
+    fully_shard(ema)
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    table = torch.randn(7, 5, generator=torch.Generator().manual_seed(seed))
+    return {"model": model, "optimizer": optimizer, "ema": ema,
+            "extra": {"table": distribute_tensor(table, mesh, [Shard(0)]), "epoch": seed}}
+
+
+def _whole_any_state(state: dict) -> dict:
+    from models import full
+
+    whole = {f"model+optimizer/{k}": v for k, v in full_state(state["model"], state["optimizer"]).items()}
+    whole |= {f"ema/{k}": full(v).detach().clone() for k, v in state["ema"].state_dict().items()}
+    whole["extra/table"] = state["extra"]["table"].full_tensor()
+    return whole
+
+
+def save_dcp_any_state(path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state = _any_state(seed=1)
+    train(state["model"], state["optimizer"], range(2))
+    dcp.save({"model": get_model_state_dict(state["model"]),
+              "optimizer": get_optimizer_state_dict(state["model"], state["optimizer"]),
+              "ema": get_model_state_dict(state["ema"]), "extra": state["extra"]}, checkpoint_id=path)
+    whole = _whole_any_state(state)
+    return whole if rank() == 0 else None
+
+
+def load_any_state(path: str) -> dict:
+    state = _any_state(seed=2)
+    bcp.load(path, state)
+    whole = _whole_any_state(state)
+    return {"state": whole if rank() == 0 else None, "epoch": state["extra"]["epoch"]}
+
+
+def test_every_dcp_tensor_is_resharded_whatever_its_key(ranks, tmp_path):
+    """Guards a defect: only tensors under ``model`` and ``optimizer`` became resharded entries;
+    an EMA module's state dict or a DTensor under another key became part of a per-rank value, which
+    a load into live modules and DTensors on another number of ranks refused."""
+    source, out = str(tmp_path / "dcp"), str(tmp_path / "bcp")
+    saved = ranks(2).run(save_dcp_any_state, source)[0]
+    convert_dcp_to_bcp(source, out, trust_pickle=True)
+    tensors = set(open_checkpoint(out).manifest.tensors)
+    assert {"ema/fc1.weight", "extra/table"} <= tensors
+    results = ranks(3).run(load_any_state, out)
+    assert_bitwise(saved, results[0]["state"])
+    assert [r["epoch"] for r in results] == [1, 1, 1]
+
+
+def test_dcp_paths_name_entries_as_bcp_save_names_a_state():
+    from bcp.tools.convert_dcp import bcp_name, holding_tensors, optimizer_keys
+
+    tensors = [("ema", "fc1.weight"), ("opt", "state", "fc1.weight", "exp_avg"), ("extra", "deep", 0, "t")]
+    paths = [*tensors, ("opt", "param_groups", 0, "lr"), ("opt", "state", "fc1.weight", "step"),
+             ("extra", "epoch"), ("extra", "deep", 1, "note"), ("extra", "cfg", "a"), ("run", "seed")]
+    optimizers, holding = optimizer_keys(paths), holding_tensors(tensors)
+    named = {path: bcp_name(path, is_tensor=path in tensors, optimizers=optimizers, holding=holding)
+             for path in paths}
+    assert named == {
+        ("ema", "fc1.weight"): ("ema/fc1.weight", ()),
+        ("opt", "state", "fc1.weight", "exp_avg"): ("opt/state/fc1.weight/exp_avg", ()),
+        ("extra", "deep", 0, "t"): ("extra/deep/0/t", ()),
+        ("opt", "param_groups", 0, "lr"): ("opt/param_groups", (0, "lr")),
+        ("opt", "state", "fc1.weight", "step"): ("opt/state/fc1.weight/step", ()),
+        ("extra", "epoch"): ("extra/epoch", ()),  # beside a tensor: a value of its own, as bcp.save walks it
+        ("extra", "deep", 1, "note"): ("extra/deep/1", ("note",)),
+        ("extra", "cfg", "a"): ("extra/cfg", ("a",)),  # a dict holding no tensor: one value
+        ("run", "seed"): ("run", ("seed",)),
+    }

@@ -8,6 +8,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 import bcp
 from bcp.cli import main
@@ -26,7 +27,8 @@ def ckpt(tmp_path):
 def test_inspect_describes_entries_layouts_and_sizes(ckpt, capsys):
     assert main(["inspect", ckpt, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["generations"] == [{"generation": 1, "committed": True, "created": summary["created"]}]
+    assert summary["generations"] == [{"generation": 1, "committed": True, "created": summary["created"],
+                                       "step": None}]
     assert (summary["format_version"], summary["framework"], summary["world_size"]) == (1, "plain", 1)
     assert summary["components"] == {"model": {"tensors": 6, "values": 1}, "extra_state": {"tensors": 0, "values": 1}}
     rows = {t["name"]: t for t in summary["tensors"]}
@@ -45,6 +47,21 @@ def test_inspect_filters_and_prints_a_table(ckpt, capsys):
     assert "generation   1 (all generations: 1 committed at " in out
     assert "model/grid.weight" in out and "model/positions" not in out and "extra_state  " not in out
     assert capsys.readouterr().err == ""  # no progress output when not on a terminal
+
+
+def test_inspect_lists_kept_generations_with_time_and_step(tmp_path, capsys):
+    path = str(tmp_path / "ckpt")
+    for step in (100, 200):
+        bcp.save(path, {"model": {"w": torch.full((2,), float(step))}}, step=step, keep_generations=3)
+    bcp.save(path, {"model": {"w": torch.zeros(2)}}, keep_generations=3)
+    assert main(["inspect", path, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert [(g["generation"], g["step"]) for g in summary["generations"]] == [(1, 100), (2, 200), (3, None)]
+    assert all(g["created"].endswith(" UTC") for g in summary["generations"])
+    assert main(["inspect", path, "--generation", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "generation   2, step 200 (all generations: 1 committed at " in out
+    assert ", step 100; 2 committed at " in out and ", step 200; 3 committed at " in out
 
 
 def test_verify_passes_an_intact_checkpoint(ckpt, capsys):
@@ -130,5 +147,5 @@ def test_summary_of_a_generation_in_progress(ckpt):
     os.makedirs(os.path.join(ckpt, "gen-00000002", "data"))  # a save that is running or died
     summary = summarize(open_checkpoint(ckpt))
     assert summary["generation"] == 1
-    assert summary["generations"] == [{"generation": 1, "committed": True, "created": summary["created"]},
-                                      {"generation": 2, "committed": False, "created": None}]
+    assert summary["generations"] == [{"generation": 1, "committed": True, "created": summary["created"], "step": None},
+                                      {"generation": 2, "committed": False, "created": None, "step": None}]

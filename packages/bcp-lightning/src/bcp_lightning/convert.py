@@ -103,9 +103,14 @@ def write_back(state_dict: dict[str, Any], view: dict[str, Any]) -> None:
 
 
 def write_back_optimizers(optimizer_states: list[dict[str, Any]], view: dict[str, Any]) -> None:
+    """As :func:`write_back`; a parameter whose state the load removed from ``view`` (the checkpoint
+    holds none for it) loses it here too, as ``Optimizer.load_state_dict`` gives it."""
     for osd in optimizer_states:
-        for fqn, per_param in osd["state"].items():
-            write_back(per_param, view["state"][fqn])
+        for fqn in list(osd["state"]):
+            if fqn in view["state"]:
+                write_back(osd["state"][fqn], view["state"][fqn])
+            else:
+                del osd["state"][fqn]
 
 
 def templates(layout: Mapping[str, Any]) -> dict[str, Any]:

@@ -129,7 +129,7 @@ class CheckpointIOMixin:
                 # Other ranks touch the path only after rank 0 has planned the save, so no barrier is needed.
                 paths.prepare_for_save(location)
             handle = bcp.save(location, _components(checkpoint, coordinator), opts, coordinator=coordinator,
-                              topology=_topology(opts, topology, coordinator))
+                              topology=_topology(opts, topology, coordinator), step=_global_step(checkpoint))
         finally:
             pending.returned(handle)
         self._pending.reap()
@@ -206,6 +206,12 @@ class CheckpointIOMixin:
         if recorded:
             self.last_load = result
         return result
+
+
+def _global_step(checkpoint: Mapping[str, Any]) -> int | None:
+    """Lightning's ``global_step`` (optimizer steps taken), recorded as the generation's step."""
+    step = checkpoint.get("global_step")
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
 def _topology(opts: "bcp.SaveOptions | bcp.LoadOptions", topology: Mapping[str, int] | None,

@@ -44,7 +44,14 @@ class TorchStateDicts:
         return get_model_state_dict(model)
 
     def optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, for_load: bool) -> dict[str, Any]:
-        return get_optimizer_state_dict(model, optimizer)  # creates missing state itself
+        never_stepped = not any(optimizer.state.values())
+        state = get_optimizer_state_dict(model, optimizer)  # creates missing state itself (a step at lr 0)
+        if never_stepped and not for_load:
+            # Saved as Optimizer.state_dict() gives it, with no state: the created state would be
+            # saved and would stay, one Adam step ahead of the run that did not save.
+            optimizer.state.clear()
+            return {"state": {}, "param_groups": state["param_groups"]}
+        return state
 
     def load_model(self, model: torch.nn.Module, state: dict[str, Any], *, strict: bool) -> None:
         set_model_state_dict(model, state, options=StateDictOptions(strict=strict))

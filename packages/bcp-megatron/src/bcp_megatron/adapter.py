@@ -17,6 +17,9 @@ class MegatronValues(dict):
 
 class MegatronAdapter(FrameworkAdapter):
     name = NAME
+    # Megatron's DistributedOptimizer decides what a load restores (it asks for every live
+    # parameter's state and never removes any): values are named by Megatron key, not by parameter.
+    optimizer_state_by_parameter = False
 
     def detect(self, state: Mapping[str, Any]) -> bool:
         return any(isinstance(value, MegatronValues) for value in state.values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import bcp
 from bcp.integration import DEFAULT_IO_THREADS, as_coordinator
@@ -17,6 +18,7 @@ from bcp_megatron.shards import MODEL, OPTIMIZER, save_values
 COMPONENTS = (MODEL, OPTIMIZER)
 #: Committed generations a checkpoint folder keeps, as ``bcp.save`` (the save strategies' default).
 DEFAULT_KEEP_GENERATIONS = bcp.SaveOptions().keep_generations
+_ITERATION_FOLDER = re.compile(r"iter_(\d+)")
 
 
 class BcpSaver:
@@ -38,7 +40,16 @@ class BcpSaver:
         # per save): bcp's summary follows, so a Megatron log at INFO gets nothing new from a save.
         return bcp.save(checkpoint_dir, state, self.options, framework=ADAPTER_NAME, async_save=async_save,
                         coordinator=coord, topology=self.options.topology or parallel_topology(),
-                        summary_log_level=logging.DEBUG)
+                        summary_log_level=logging.DEBUG,
+                        step=self.options.step if self.options.step is not None else iteration_of(checkpoint_dir))
+
+
+def iteration_of(checkpoint_dir: "str | os.PathLike") -> int | None:
+    """The training iteration a Megatron-LM checkpoint folder is named after (``iter_0000100``, its
+    ``get_checkpoint_name``): the strategy sees no other (the iteration is in the common state,
+    which Megatron writes itself)."""
+    match = _ITERATION_FOLDER.fullmatch(os.path.basename(os.path.normpath(os.fspath(checkpoint_dir))))
+    return int(match.group(1)) if match else None
 
 
 def parallel_topology() -> dict[str, int] | None:

@@ -12,6 +12,7 @@ from typing import Any, Mapping, TypeVar
 
 from bcp.coord import Coordinator
 from bcp.engine.location import DEFAULT_KEEP_GENERATIONS
+from bcp.errors import CheckpointError
 
 DEFAULT_IO_THREADS = 4
 
@@ -70,6 +71,13 @@ class SaveOptions(_CommonOptions):
     keep_generations: int = DEFAULT_KEEP_GENERATIONS
     """Committed generations kept at the path after each save (at least 1): a reader of the previous
     one is not broken by the next save's retention."""
+    step: int | None = None
+    """The training step this save is taken at (a non-negative integer), recorded in the generation's
+    manifest and listed by ``bcp inspect``; the integrations set it. Only the coordinating rank's is kept."""
+
+    def __post_init__(self) -> None:
+        if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0):
+            raise CheckpointError(f"step must be a non-negative int (the training step), got {self.step!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

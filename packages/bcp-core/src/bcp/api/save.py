@@ -128,7 +128,7 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
     pieces = writes_of(collected.value.pieces, plan.writes)
     writer = GenerationWriter(location, generation, threads=options.io_threads, background=options.async_save,
                               abandon=rt.background.abandon if options.async_save else None)
-    manifest_of = _manifest_builder(generation, collected.value.framework, plan)
+    manifest_of = _manifest_builder(generation, collected.value.framework, plan, options.step)
     values = values_to_write(coord.rank, collected.value.values, value_digests)
     if not options.async_save:
         commit(coord, writer, write_share(coord.rank, writer, pieces, values, stats, monitor=monitor), manifest_of,
@@ -263,8 +263,11 @@ def _refuse_targets(targets: list[str]) -> None:
                           "must pass the same path or URL (and role)")
 
 
-def _manifest_builder(generation: int, framework: str, plan: CachedPlan) -> Callable[[list[RankWrites]], Manifest]:
+def _manifest_builder(generation: int, framework: str, plan: CachedPlan,
+                      step: int | None) -> Callable[[list[RankWrites]], Manifest]:
     def manifest_of(reports: list[RankWrites]) -> Manifest:
-        return assemble_manifest(generation=generation, framework=framework, checksum_chunk=DEFAULT_CHECKSUM_CHUNK,
-                                 writer=f"bcp {__version__}", columns=plan.columns, reports=reports)
+        manifest = assemble_manifest(generation=generation, framework=framework, checksum_chunk=DEFAULT_CHECKSUM_CHUNK,
+                                     writer=f"bcp {__version__}", columns=plan.columns, reports=reports)
+        manifest.step = step
+        return manifest
     return manifest_of

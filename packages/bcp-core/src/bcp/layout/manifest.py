@@ -100,6 +100,8 @@ class Manifest:
     created_unix: float = 0.0
     writer: str = ""
     version: int = FORMAT_VERSION
+    #: The training step the save was taken at, where the caller said (``SaveOptions.step``).
+    step: int | None = None
 
     def components(self) -> set[str]:
         return {e.component for e in self.tensors.values()} | {e.component for e in self.objects.values()}
@@ -120,6 +122,7 @@ class Manifest:
             "framework": self.framework,
             "created_unix": self.created_unix,
             "writer": self.writer,
+            **({} if self.step is None else {"step": self.step}),
             "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": self.checksum_chunk},
             "unsafe_pickle": self.unsafe_pickle,
             "files": self.files,
@@ -213,6 +216,7 @@ class _ManifestParser:
             unsafe_pickle=self.optional(doc, "unsafe_pickle", (bool,), False),
             created_unix=self.seconds_since_epoch(doc, "created_unix"),
             writer=self.optional(doc, "writer", (str,), ""),
+            step=self.optional_step(doc),
         )
 
     def table(self, spec: dict, data: bytes) -> ShardTable:
@@ -349,6 +353,12 @@ class _ManifestParser:
         if type(value) not in types or (type(value) is float and not math.isfinite(value)):
             raise self.fail(f"'{key}' must be of type {' or '.join(t.__name__ for t in types)}")
         return value
+
+    def optional_step(self, doc: dict) -> int | None:
+        """The training step (absent in manifests that did not record one; readers before it ignore it)."""
+        if doc.get("step") is None:
+            return None
+        return self.int_of(doc, "step", minimum=0)
 
     def seconds_since_epoch(self, doc: dict, key: str) -> float:
         """An optional time stamp (0 when absent), within what a date can show."""

@@ -7,10 +7,13 @@ reader and writer (so its format details stay DCP's business) one tensor at a ti
 holds about one tensor however large the checkpoint is.
 
 Names: DCP flattens nested state dicts; the path of keys it records for each entry maps to bcp
-names as ``("model", fqn)`` <-> ``model/<fqn>``, ``("optimizer", "state", fqn, key)`` <->
-``optimizer/state/<fqn>/<key>``, ``("optimizer", "param_groups", ...)`` <-> the value
-``optimizer/param_groups``, ``(component, ...)`` <-> the value ``<component>``. A top-level tensor
-(``dcp.save(model.state_dict())``) becomes ``model/<fqn>``.
+names as ``bcp.save`` names a state's parts. Every tensor is a resharded entry, whatever its key:
+``("model", fqn)`` <-> ``model/<fqn>``, any other path of keys ``(a, b, c)`` <-> ``a/b/c`` (a
+module's state dict under ``ema``: ``ema/<fqn>``; an optimizer's under ``opt``:
+``opt/state/<fqn>/<key>``; a tensor nested in dicts and lists). An optimizer state dict (a key
+holding ``param_groups``, and ``optimizer``) keeps its groups as the value ``<key>/param_groups``
+and a non-tensor state entry as ``<key>/state/<fqn>/<key>``; any other non-tensor is part of the
+value ``<component>``. A top-level tensor (``dcp.save(model.state_dict())``) becomes ``model/<fqn>``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Collection, Iterable, Iterator
 
 import torch
 
@@ -38,7 +41,6 @@ from bcp.tools.paths import check_new_local_output
 from bcp.tools.progress import NoProgress, Progress
 from bcp.tools.rules import CastRules, NameRules
 
-RESHARDED = ("model", "optimizer")
 Path = tuple[Any, ...]
 
 
@@ -62,9 +64,11 @@ def convert_dcp_to_bcp(src: "str | os.PathLike", out: "str | os.PathLike", *, tr
     source = DcpSource(src, trust_pickle=trust_pickle)
     tensors: dict[str, str] = {}  # bcp name -> DCP key
     value_keys: dict[str, list[tuple[str, Path]]] = {}  # bcp name -> [(DCP key, path inside the value)]
+    optimizers = optimizer_keys(path for _, path in source.paths())
+    holding = holding_tensors(path for key, path in source.paths() if source.is_tensor(key))
     for key, path in source.paths():
-        name, inner = bcp_name(path, is_tensor=source.is_tensor(key))
-        if source.is_tensor(key) and not inner and name.split("/", 1)[0] in RESHARDED:
+        name, inner = bcp_name(path, is_tensor=source.is_tensor(key), optimizers=optimizers, holding=holding)
+        if source.is_tensor(key) and not inner:
             tensors[name] = key
         else:
             value_keys.setdefault(name, []).append((key, inner))
@@ -203,18 +207,36 @@ def _lazy_planner(checkpoint: Checkpoint, placeholders: dict[int, str], progress
     return LazySavePlanner()
 
 
-def bcp_name(path: Path, *, is_tensor: bool) -> tuple[str, Path]:
-    """The bcp entry a DCP path belongs to, and the path of the leaf inside that entry's value."""
+def optimizer_keys(paths: Iterable[Path]) -> set[str]:
+    """The top-level keys holding an optimizer state dict (``state`` and ``param_groups``)."""
+    return {"optimizer"} | {str(path[0]) for path in paths if len(path) > 1 and path[1] == "param_groups"}
+
+
+def holding_tensors(tensor_paths: Iterable[Path]) -> set[Path]:
+    """Every dict or list (by its path of keys) with a tensor somewhere inside."""
+    return {path[:i] for path in tensor_paths for i in range(1, len(path))}
+
+
+def bcp_name(path: Path, *, is_tensor: bool, optimizers: Collection[str] = ("optimizer",),
+             holding: Collection[Path] = frozenset()) -> tuple[str, Path]:
+    """The bcp entry a DCP path belongs to, and the path of the leaf inside that entry's value
+    (empty for a tensor: every tensor is an entry of its own). As ``bcp.save`` walks a state, a
+    non-tensor belongs to the value of the outermost dict or list on its path that holds no tensor."""
     head = str(path[0])
     if len(path) == 1:
         return (f"model/{head}" if is_tensor else head), ()
     if head == "model":
         return "model/" + ".".join(str(p) for p in path[1:]), ()
-    if head == "optimizer" and path[1] == "state" and len(path) >= 4:
-        return f"optimizer/state/{path[2]}/{path[3]}", tuple(path[4:])
-    if head == "optimizer":
-        return f"optimizer/{path[1]}", tuple(path[2:])
-    return head, tuple(path[1:])
+    if head in optimizers and path[1] == "state" and len(path) >= 4:
+        return f"{head}/state/{path[2]}/{path[3]}", tuple(path[4:])
+    if head in optimizers:
+        return f"{head}/{path[1]}", tuple(path[2:])
+    if is_tensor:
+        return "/".join(str(p) for p in path), ()
+    depth = 1
+    while depth < len(path) and path[:depth] in holding:
+        depth += 1
+    return "/".join(str(p) for p in path[:depth]), tuple(path[depth:])
 
 
 def insert(tree: dict[str, Any], path: Path, value: Any) -> None:

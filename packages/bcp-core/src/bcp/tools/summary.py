@@ -30,11 +30,12 @@ def summarize(checkpoint: Checkpoint, *, filters: Sequence[str] = ()) -> dict[st
     return {
         "path": checkpoint.path,
         "generation": checkpoint.generation,
-        "generations": [{"generation": g, "committed": c, "created": _created(checkpoint, g) if c else None}
+        "generations": [{"generation": g, "committed": c, **_kept(checkpoint, g, c)}
                         for g, c in checkpoint.generations()],
         "format_version": manifest.version,
         "writer": manifest.writer,
         "created": _timestamp(manifest.created_unix),
+        "step": manifest.step,
         "framework": manifest.framework,
         "world_size": manifest.world_size,
         "unsafe_pickle": manifest.unsafe_pickle,
@@ -51,13 +52,17 @@ def summarize(checkpoint: Checkpoint, *, filters: Sequence[str] = ()) -> dict[st
     }
 
 
-def _created(checkpoint: Checkpoint, generation: int) -> str:
-    """When a kept generation was committed, from its manifest (a loadable one:
-    ``bcp.load(..., generation=N)``)."""
+def _kept(checkpoint: Checkpoint, generation: int, committed: bool) -> dict[str, Any]:
+    """When a kept generation was committed and the training step it was saved at (None where the
+    save did not say), from its manifest (a loadable one: ``bcp.load(..., generation=N)``)."""
+    if not committed:
+        return {"created": None, "step": None}
     if generation == checkpoint.generation:
-        return _timestamp(checkpoint.manifest.created_unix)
-    data, table = checkpoint.location.read_manifest_files(generation)
-    return _timestamp(Manifest.decode(data, table, path=checkpoint.path).created_unix)
+        manifest = checkpoint.manifest
+    else:
+        data, table = checkpoint.location.read_manifest_files(generation)
+        manifest = Manifest.decode(data, table, path=checkpoint.path)
+    return {"created": _timestamp(manifest.created_unix), "step": manifest.step}
 
 
 def layout_of(entry: TensorEntry) -> str:
@@ -77,11 +82,11 @@ def layout_of(entry: TensorEntry) -> str:
 
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as text for a terminal."""
-    states = ", ".join(f"{g['generation']} {'committed at ' + g['created'] if g['committed'] else 'NOT committed'}"
-                       for g in summary["generations"])
+    states = "; ".join(f"{g['generation']} {_state(g)}" for g in summary["generations"])
     lines = [
         f"checkpoint   {summary['path']}",
-        f"generation   {summary['generation']} (all generations: {states})",
+        f"generation   {summary['generation']}"
+        + ("" if summary["step"] is None else f", step {summary['step']}") + f" (all generations: {states})",
         f"format       bcp v{summary['format_version']}, written by {summary['writer'] or '?'} "
         f"at {summary['created']}",
         f"saved from   {summary['framework']}, world size {summary['world_size']}",
@@ -101,6 +106,13 @@ def format_summary(summary: dict[str, Any]) -> str:
             [v["name"], str(v["records"]), f"{v['saved_by_ranks']} rank(s)", human_bytes(v["nbytes"])]
             for v in summary["values"]])]
     return "\n".join(lines)
+
+
+def _state(generation: dict[str, Any]) -> str:
+    if not generation["committed"]:
+        return "NOT committed"
+    step = "" if generation["step"] is None else f", step {generation['step']}"
+    return f"committed at {generation['created']}{step}"
 
 
 def _tensor_row(entry: TensorEntry) -> dict[str, Any]:
