@@ -29,7 +29,8 @@ from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import crc_of
 from bcp.engine.location import Location
 from bcp.engine.staging import stage, staged_nbytes
-from bcp.engine.writer import GenerationWriter
+from bcp.engine.writer import GenerationWriter, InProcess
+from bcp.engine.writer_process import storage_for_process
 from bcp.errors import CheckpointError
 from bcp.layout.local_plan import LocalPlan
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
@@ -61,6 +62,8 @@ def save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options:
     """
     options = (options or SaveOptions()).merged(keywords)
     check_keys(state)
+    if options.async_writer not in ("process", "threads"):
+        raise CheckpointError(f"async_writer must be 'process' or 'threads', not {options.async_writer!r}")
     coord = as_coordinator(options.coordinator)
     stats = PhaseStats()
     monitor = Monitor("save", coord.rank, coord.world_size, stats, options.topology, options.metrics_log,
@@ -107,11 +110,10 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
                                                          cache=not options.verify_replicas)
     monitor.generation = generation
     pieces = writes_of(collected.value.pieces, plan.writes)
-    writer = GenerationWriter(location, generation, threads=options.io_threads, background=options.async_save,
-                              abandon=rt.background.abandon if options.async_save else None)
     manifest_of = _manifest_builder(generation, collected.value.framework, plan)
     values = values_to_write(coord.rank, collected.value.values, value_digests)
     if not options.async_save:
+        writer = GenerationWriter(location, generation, threads=options.io_threads)
         write_generation(coord, writer, pieces, values, manifest_of, stats, monitor=monitor)
         return SaveHandle(location.display, generation, stats, monitor=monitor)
 
@@ -123,6 +125,8 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
         except BaseException:
             rt.buffers.release(buffer)
             raise
+    writer = GenerationWriter(location, generation, threads=options.io_threads, background=True,
+                              abandon=rt.background.abandon, in_process=_in_process(rt, location, buffer, options))
     monitor.returned()  # the caller gets control back: the blocking time ends here
 
     def write() -> Outcome:
@@ -136,6 +140,17 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
 
     job = rt.background.submit(write, commit, label=f"{location.display} (generation {generation})")
     return SaveHandle(location.display, generation, stats, job, monitor)
+
+
+def _in_process(rt: Runtime, location: Location, buffer: Any, options: SaveOptions) -> InProcess | None:
+    """The writer process's part in an asynchronous save, where it takes it (``async_writer``)."""
+    if options.async_writer == "threads":
+        return None
+    shared = rt.buffers.shared_of(buffer)
+    storage = storage_for_process(location.storage) if shared is not None else None
+    if storage is None:
+        return None
+    return InProcess(rt.background.writer_process(), storage, shared, rt.buffers.shared_ids())
 
 
 def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> _Collected:

@@ -13,6 +13,11 @@ import threading
 #: times the CPU share of each writer when both want the same core.
 NICENESS = 10
 
+#: Whether the writer process of asynchronous saves (``writer_process``) runs at the lowered priority
+#: too. It has a core's worth of interpreter of its own: lowering it matters only when the cores
+#: are all busy.
+WRITER_PROCESS_LOWERED = True
+
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}.get(platform.machine())
 _IOPRIO_WHO_PROCESS = 1  # a thread id names the thread
 _IOPRIO_CLASS_BE, _LOWEST_LEVEL = 2, 7
