@@ -117,6 +117,7 @@ def candidates() -> dict[str, Candidate]:
     dcp = DcpAsync(reuse_stager=False)
     return {
         "bcp, writer process, background priority (default)": bcp_async("process", 4, True),
+        "bcp, writer process, io_threads=1, background priority": bcp_async("process", 1, True),
         "bcp, writer process, normal priority": bcp_async("process", 4, False),
         "bcp, threads io_threads=4, background priority": bcp_async("threads", 4, True),
         "bcp, threads io_threads=4, normal priority": bcp_async("threads", 4, False),

@@ -44,6 +44,11 @@ class BackgroundLane:
                 self._process = WriterProcess(lowered)
             return self._process
 
+    def writer_pid(self) -> int | None:
+        """The writer process's id while one runs (it may have died since), else None."""
+        with self._lock:
+            return self._process.pid if self._process is not None else None
+
     def submit(self, first: Callable[[], Any], then: Callable[[Any], Any], label: str = "a save") -> Future:
         """Runs ``first()`` on the first stage's thread, then ``then(its result)`` on the second's;
         the future holds ``then``'s result, or the exception of whichever stage raised. ``label``

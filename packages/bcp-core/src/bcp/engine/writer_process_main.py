@@ -64,8 +64,10 @@ class _Writer:
                 self.pool = ThreadPoolExecutor(max_workers=max(1, len(files)), thread_name_prefix="bcp-write")
             futures = [self.pool.submit(self.write_file, storage, name, items, job["chunk"])
                        for name, items in files]
-            while wait(futures, timeout=POLL_S).not_done:
-                self.watch()
+            while True:
+                self.watch()  # first at once: an abandon request may have come with the job
+                if not wait(futures, timeout=POLL_S).not_done:
+                    break
                 if any(f.done() and f.exception() is not None for f in futures):
                     self.stop.set()  # one file failed: the save fails, the others need not finish
             errors = [f.exception() for f in futures if f.exception() is not None]
