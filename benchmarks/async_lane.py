@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 
 import bcp  # noqa: E402
 import bcp.engine.writer as writer_module  # noqa: E402
-from bcp.engine import priority  # noqa: E402
+from bcp.engine import priority, writer_process  # noqa: E402
 
 from bcpbench import disk  # noqa: E402
 from bcpbench.launch import launch  # noqa: E402
@@ -71,18 +71,19 @@ def steps_while(busy: Callable[[], bool], step: Callable[[], None]) -> tuple[flo
 
 
 @contextlib.contextmanager
-def lane_priority(threads_lowered: bool, process_lowered: bool) -> Iterator[None]:
-    """The lane's priority settings for one candidate: its writer threads' and its writer process's."""
+def lane_settings(threads_lowered: bool, process_niceness: int, process_files: int) -> Iterator[None]:
+    """The lane's settings for one candidate: its writer threads' priority, its writer process's
+    priority and how many files that process writes at once."""
     lower = writer_module.lower_this_thread
-    process = priority.WRITER_PROCESS_LOWERED
+    niceness, files = priority.WRITER_PROCESS_NICENESS, writer_process.FILES_AT_ONCE
     if not threads_lowered:
         writer_module.lower_this_thread = lambda: None
-    priority.WRITER_PROCESS_LOWERED = process_lowered
+    priority.WRITER_PROCESS_NICENESS, writer_process.FILES_AT_ONCE = process_niceness, process_files
     try:
         yield
     finally:
         writer_module.lower_this_thread = lower
-        priority.WRITER_PROCESS_LOWERED = process
+        priority.WRITER_PROCESS_NICENESS, writer_process.FILES_AT_ONCE = niceness, files
 
 
 @dataclasses.dataclass
@@ -95,9 +96,9 @@ class Candidate:
 
 
 def candidates() -> dict[str, Candidate]:
-    def bcp_async(writer: str, io_threads: int, lowered: bool) -> Candidate:
+    def bcp_async(writer: str, files: int, niceness: int) -> Candidate:
         def settings():
-            return lane_priority(threads_lowered=lowered, process_lowered=lowered)
+            return lane_settings(threads_lowered=niceness > 0, process_niceness=niceness, process_files=files)
 
         def prepare(path: str) -> None:
             if writer == "process":  # the lane starts a writer process of the requested priority
@@ -107,7 +108,7 @@ def candidates() -> dict[str, Candidate]:
 
         def start(path: str, state: dict) -> Any:
             with settings():
-                handle = bcp.save(path, {"model": state}, async_save=True, io_threads=io_threads,
+                handle = bcp.save(path, {"model": state}, async_save=True, io_threads=files,
                                   async_writer=writer)
                 if writer == "threads":  # they start in the background: keep the setting until they have
                     _wait_for_writers()
@@ -116,11 +117,13 @@ def candidates() -> dict[str, Candidate]:
 
     dcp = DcpAsync(reuse_stager=False)
     return {
-        "bcp, writer process, background priority (default)": bcp_async("process", 4, True),
-        "bcp, writer process, io_threads=1, background priority": bcp_async("process", 1, True),
-        "bcp, writer process, normal priority": bcp_async("process", 4, False),
-        "bcp, threads io_threads=4, background priority": bcp_async("threads", 4, True),
-        "bcp, threads io_threads=4, normal priority": bcp_async("threads", 4, False),
+        "bcp, writer process, 2 files, nice +19 (default)": bcp_async("process", 2, 19),
+        "bcp, writer process, 2 files, nice +10": bcp_async("process", 2, 10),
+        "bcp, writer process, 4 files, nice +19": bcp_async("process", 4, 19),
+        "bcp, writer process, 4 files, nice +10": bcp_async("process", 4, 10),
+        "bcp, writer process, 4 files, normal priority": bcp_async("process", 4, 0),
+        "bcp, threads, 4 files, nice +10 (the previous default)": bcp_async("threads", 4, 10),
+        "bcp, threads, 4 files, normal priority": bcp_async("threads", 4, 0),
         "DCP async_save (thread)": Candidate(lambda path, state: dcp.save_async(path, state)),
         "DCP async_save (process)": Candidate(lambda path, state: dcp.save_async(path, state, process=True)),
     }

@@ -9,6 +9,7 @@ pieces are copied to host buffers), then the writer door (write, commit)."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -46,6 +47,8 @@ from bcp.planning.save_plan import PlanColumns, global_plan, structure_key, writ
 from bcp.planning.shared_values import digests, values_to_write
 from bcp.storage import Storage
 from bcp.version import __version__
+
+logger = logging.getLogger("bcp")
 
 
 def save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options: SaveOptions | None = None,
@@ -150,7 +153,12 @@ def _in_process(rt: Runtime, location: Location, buffer: Any, options: SaveOptio
     storage = storage_for_process(location.storage) if shared is not None else None
     if storage is None:
         return None
-    return InProcess(rt.background.writer_process(), storage, shared, rt.buffers.shared_ids())
+    try:
+        process = rt.background.writer_process()
+    except OSError as exc:  # no process can be started here (limits, a sandbox): threads write
+        logger.warning("bcp: the writer process could not be started (%s); writing from threads", exc)
+        return None
+    return InProcess(process, storage, shared, rt.buffers.shared_ids())
 
 
 def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> _Collected:

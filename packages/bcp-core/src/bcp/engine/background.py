@@ -34,14 +34,14 @@ class BackgroundLane:
 
     def writer_process(self) -> WriterProcess:
         """The running writer process, started now if there is none, if the last one died, or if
-        its priority is not ``priority.WRITER_PROCESS_LOWERED``'s any more."""
-        lowered = priority.WRITER_PROCESS_LOWERED
+        its niceness is not ``priority.WRITER_PROCESS_NICENESS`` any more."""
+        niceness = priority.WRITER_PROCESS_NICENESS
         with self._lock:
-            if self._process is not None and (not self._process.alive() or self._process.lowered != lowered):
+            if self._process is not None and (not self._process.alive() or self._process.niceness != niceness):
                 self._process.close()
                 self._process = None
             if self._process is None:
-                self._process = WriterProcess(lowered)
+                self._process = WriterProcess(niceness)
             return self._process
 
     def writer_pid(self) -> int | None:

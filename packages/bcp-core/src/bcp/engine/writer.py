@@ -25,6 +25,7 @@ from bcp.engine.checksum import chunk_crcs
 from bcp.engine.location import Location, data_file_name
 from bcp.engine.priority import lower_this_thread
 from bcp.engine.shared_memory import SharedHostBuffer
+from bcp.engine import writer_process
 from bcp.engine.writer_process import WriterProcess
 from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
@@ -76,7 +77,8 @@ class GenerationWriter:
         after each piece (from a writer thread)."""
         items = [_Item(p.nbytes, piece=p) for p in pieces] + [_Item(len(v.data), value=v) for v in values]
         total = sum(item.nbytes for item in items)
-        bins = _balance(items, max(1, min(self.threads, len(items), total // MIN_BYTES_PER_FILE)))
+        threads = self.threads if self.in_process is None else min(self.threads, writer_process.FILES_AT_ONCE)
+        bins = _balance(items, max(1, min(threads, len(items), total // MIN_BYTES_PER_FILE)))
         files = [data_file_name(rank, i) for i in range(len(bins))]
         if self.in_process is not None:
             crcs = self._write_in_process(files, bins)

@@ -36,8 +36,12 @@ from bcp.storage.memory import MemoryStorage
 #: the writer's loop. The script's directory (the current one, for ``-c``) is taken off the path.
 _BOOTSTRAP = ("import sys, types; del sys.path[0]; package = types.ModuleType('bcp'); "
               "package.__path__ = [sys.argv[2]]; sys.modules['bcp'] = package; "
-              "from bcp.engine.writer_process_main import serve; serve(int(sys.argv[1]), sys.argv[3] == '1')")
+              "from bcp.engine.writer_process_main import serve; serve(int(sys.argv[1]), int(sys.argv[3]))")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: At most this many data files per rank when the writer process writes them (one thread each):
+#: two keep both cores' worth of copying into the page cache off the training thread's core more
+#: often than four, for about the same save time (``benchmarks/async_lane.py``).
+FILES_AT_ONCE = 2
 #: How long ``close`` waits for the writer process to leave before killing it.
 STOP_WAIT_S = 10.0
 #: How often a waiting save looks for an abandon request.
@@ -60,13 +64,13 @@ def storage_for_process(storage: Any) -> bytes | None:
 class WriterProcess:
     """A running writer process; ``write_files`` runs one job at a time (the lane's write stage)."""
 
-    def __init__(self, lowered: bool) -> None:
-        #: Whether it runs at a lower CPU and I/O priority than the training process.
-        self.lowered = lowered
+    def __init__(self, niceness: int) -> None:
+        #: How much nicer than the training process it runs (and at the lowest I/O priority if > 0).
+        self.niceness = niceness
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-c", _BOOTSTRAP, str(theirs.fileno()), _PACKAGE_DIR, "1" if lowered else "0"],
+                [sys.executable, "-c", _BOOTSTRAP, str(theirs.fileno()), _PACKAGE_DIR, str(niceness)],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         except BaseException:
             ours.close()

@@ -127,11 +127,11 @@ class _Writer:
         return crcs
 
 
-def serve(fd: int, lowered: bool) -> None:
+def serve(fd: int, niceness: int) -> None:
     """Run the writer on the socket ``fd`` until told to stop or the training process is gone;
-    ``lowered``: at a lower CPU and I/O priority."""
-    if lowered:
-        lower_this_thread()  # threads started later inherit the main thread's priority
+    ``niceness`` above the training process's, with the lowest best-effort I/O priority (if > 0)."""
+    if niceness > 0:
+        lower_this_thread(niceness)  # threads started later inherit the main thread's priority
     with socket.socket(fileno=fd) as sock:
         writer = _Writer(sock, os.getppid())
         try:
