@@ -17,6 +17,7 @@ import torch
 import bcp
 from bcp.engine.shared_memory import shared_memory_available
 from bcp.integration import runtime
+from process_checks import gone
 
 pytestmark = pytest.mark.skipif(not shared_memory_available(), reason="no shared memory by descriptor here")
 
@@ -42,17 +43,6 @@ def _writer() -> int:
     return pid
 
 
-def _gone(pid: int, within_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_the_writer_process_writes_the_values_of_the_call(tmp_path):
     state = _state(1.0)
     bcp.save(tmp_path, {"model": state}, async_save=True).wait()
@@ -72,10 +62,16 @@ def test_the_writer_process_writes_the_values_of_the_call(tmp_path):
     assert all(torch.equal(loaded[k], v) for k, v in _expected(1.0).items())
 
 
-def test_a_writer_process_killed_mid_save_fails_it_and_nothing_is_committed(tmp_path):
-    bcp.save(tmp_path, {"model": _state(1.0)}, async_save=True).wait()
+def _committed_then_writer_stopped(path) -> int:
+    """Generation 1 committed (fill 1.0); the writer process then stopped (SIGSTOP): its id."""
+    bcp.save(path, {"model": _state(1.0)}, async_save=True).wait()
     pid = _writer()
     os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def test_a_writer_process_killed_mid_save_fails_it_and_nothing_is_committed(tmp_path):
+    pid = _committed_then_writer_stopped(tmp_path)
     handle = bcp.save(tmp_path, {"model": _state(2.0)}, async_save=True)
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(bcp.StorageError, match=rf"writer process \(pid {pid}\) was killed by signal 9 .*not committed"):
@@ -90,9 +86,7 @@ def test_a_writer_process_killed_mid_save_fails_it_and_nothing_is_committed(tmp_
 
 
 def test_an_abandoned_save_stops_the_writer_process_and_is_removed(tmp_path):
-    bcp.save(tmp_path, {"model": _state(1.0)}, async_save=True).wait()
-    pid = _writer()
-    os.kill(pid, signal.SIGSTOP)
+    pid = _committed_then_writer_stopped(tmp_path)
     handle = bcp.save(tmp_path, {"model": _state(2.0, tensors=32)}, async_save=True, io_threads=2)
     stopper = threading.Thread(target=bcp.shutdown, kwargs={"abandon": True})
     stopper.start()
@@ -101,7 +95,7 @@ def test_an_abandoned_save_stops_the_writer_process_and_is_removed(tmp_path):
     stopper.join(30)
     with pytest.raises(bcp.SaveAbandonedError):
         handle.wait()
-    assert _gone(pid)  # shutdown ends the writer process
+    assert gone(pid)  # shutdown ends the writer process
     assert sorted(os.listdir(tmp_path / "gen-00000002")) == ["CLAIM"]
     loaded = _loaded(tmp_path)
     assert all(torch.equal(loaded[k], v) for k, v in _expected(1.0).items())
@@ -111,7 +105,7 @@ def test_shutdown_ends_the_writer_process_and_a_later_save_starts_another(tmp_pa
     bcp.save(tmp_path, {"model": _state(1.0)}, async_save=True).wait()
     pid = _writer()
     bcp.shutdown()
-    assert _gone(pid) and runtime().background.writer_pid() is None
+    assert gone(pid) and runtime().background.writer_pid() is None
     bcp.save(tmp_path, {"model": _state(4.0)}, async_save=True).wait()
     assert _writer() != pid
 
