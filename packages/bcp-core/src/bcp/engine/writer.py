@@ -26,7 +26,6 @@ from bcp.engine.location import Location, data_file_name
 from bcp.engine.priority import lower_this_thread
 from bcp.engine.shared_memory import SharedHostBuffer
 from bcp.engine import writer_process
-from bcp.engine.writer_process import WriterProcess
 from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.write_plan import PieceWrite, ValueWrite
@@ -48,7 +47,7 @@ class InProcess:
     """Writes handed to the writer process: ``storage`` pickled for it, the shared ``buffer`` the
     pieces are staged in, and the ids of every shared buffer the training process still holds."""
 
-    process: WriterProcess
+    process: writer_process.WriterProcess
     storage: bytes
     buffer: SharedHostBuffer
     live: set[int]
