@@ -51,3 +51,15 @@ class Dying:
 
     def broadcast_bytes(self, data):
         return self._exchange("broadcast_bytes", data)
+
+
+def reap(procs: list) -> list:
+    """Each process's exit code once it ended (30 s each at most); one still running is killed."""
+    for p in procs:
+        p.join(timeout=30)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return codes

@@ -22,7 +22,7 @@ LAYERS = {
     "bcp.engine": 3,
     "bcp.planning": 4, "bcp.adapters": 4,
     "bcp.api": 5,
-    "bcp.tools": 6, "bcp.integration": 6,
+    "bcp.tools": 6, "bcp.integration": 6, "bcp.tier": 6,
     "bcp.cli": 7, "bcp": 7,
 }
 

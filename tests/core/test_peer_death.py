@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import bcp
-from dying_coordinator import Dying, die
+from dying_coordinator import Dying, die, reap
 
 pytestmark = pytest.mark.distributed  # processes of its own, outside the rank pool
 
@@ -102,13 +102,7 @@ def run_case(path: str, victim: int, death: int | str, async_save: bool) -> tupl
         answer = answers.get(timeout=CASE_LIMIT_S)
     except queue.Empty:
         answer = ("no answer: the survivor hung", False, "")
-    for p in procs:
-        p.join(timeout=30)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
+    codes = reap(procs)
     return answer, codes
 
 

@@ -124,8 +124,10 @@ def only_rank_zero_saves(path: str, warn_after: float, timeout: float) -> None:
 def store_host_dies(when: str, timeout: float, coordinator: str = "torch") -> None:
     """Rank 0 hosts the rendezvous store; it dies (SIGKILL) ``before`` its coordination is set up or
     ``during`` the setup, while the survivor builds the ``coordinator`` (torch's gloo side group or
-    the gRPC tree) with a short timeout. Dying inside the setup is injected by replacing the step
-    rank 0 would take there (a kill at an exact point cannot be timed otherwise)."""
+    the gRPC tree) with a short timeout, then exchanges once. Dying inside the setup is injected by
+    replacing the step rank 0 would take there (a kill at an exact point cannot be timed otherwise).
+    The survivor may finish a gRPC setup before rank 0 dies (its parent's address was published):
+    then its first exchange is what fails."""
     rank, world = _join(timeout_s=timeout)
     dist.barrier()  # both ranks are in the job
     if rank == 0:
@@ -140,15 +142,17 @@ def store_host_dies(when: str, timeout: float, coordinator: str = "torch") -> No
     started = time.monotonic()
     try:
         if coordinator == "torch":
-            bcp.TorchCoordinator(timeout=timeout)
+            built = bcp.TorchCoordinator(timeout=timeout)
         else:
             from bcp.coord.grpc import GrpcCoordinator
 
-            GrpcCoordinator(timeout=timeout)
+            built = GrpcCoordinator(timeout=timeout)
+        print("set up without rank 0", flush=True)
+        built.all_gather_bytes(b"present")
     except bcp.DistributedError as exc:
         print(f"raised after {time.monotonic() - started:.1f}s: {exc}", flush=True)
         raise SystemExit(3) from None
-    raise AssertionError("the coordinator was built without rank 0")
+    raise AssertionError("the coordinator exchanged without rank 0")
 
 
 def _dying_gloo(*args, **kwargs):

@@ -119,8 +119,9 @@ def test_the_store_host_killed_around_side_group_setup_fails_the_survivor_in_tim
     survivor = result.ranks[1].output
     seconds = float(re.search(r"raised after ([0-9.]+)s", survivor).group(1))
     assert seconds < timeout + 10, survivor  # the timeout plus the grace for the others' reports
-    assert "setting up checkpoint coordination" in survivor, survivor
-    assert re.search(r"rank\(s\) 0\b|rank 0's", survivor), survivor  # names the dead rank
+    if "set up without rank 0" not in survivor:  # else the first exchange failed (see the job)
+        assert "setting up checkpoint coordination" in survivor, survivor
+    assert re.search(r"rank\(s\) 0\b|rank 0's|rank 0 on ", survivor), survivor  # names the dead rank
 
 
 def test_the_readme_demo_exits_zero_on_every_rank(tmp_path):

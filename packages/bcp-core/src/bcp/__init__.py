@@ -28,11 +28,12 @@ from bcp.errors import (
 )
 from bcp.layout import Box, FlatShard, TensorShard
 from bcp.storage import LocalStorage, Storage
+from bcp.tier import MemoryTier
 from bcp.tools.edit import remove_entries
 from bcp.version import __version__
 
 __all__ = [
-    "save", "load", "wait_pending_saves", "shutdown", "remove_entries",
+    "save", "load", "wait_pending_saves", "shutdown", "remove_entries", "MemoryTier",
     "SaveOptions", "LoadOptions", "SaveHandle", "LoadResult", "PhaseStats", "PairedOptimizer",
     "FrameworkAdapter", "register_adapter",
     "Coordinator", "SingleProcessCoordinator", "TorchCoordinator",

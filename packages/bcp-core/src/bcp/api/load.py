@@ -25,6 +25,7 @@ from bcp.api.options import LoadOptions
 from bcp.api.per_rank import warn_world_change, world_change
 from bcp.api.results import LoadResult, PhaseStats
 from bcp.api.runtime import runtime
+from bcp.api.targets import CheckpointTarget
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
 from bcp.engine.load_staging import Staging
@@ -37,8 +38,8 @@ from bcp.planning.pieces import pieces_of, tensor_meta
 from bcp.planning.read_once import assign_readers
 from bcp.storage import Storage
 
-def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: LoadOptions | None = None,
-         **keywords: Any) -> LoadResult:
+def load(path: "str | os.PathLike | Storage | CheckpointTarget", state: dict[str, Any],
+         options: LoadOptions | None = None, **keywords: Any) -> LoadResult:
     """Load the newest committed checkpoint at ``path`` (or the kept ``generation``) into ``state``
     (in place).
 
@@ -51,7 +52,8 @@ def load(path: "str | os.PathLike | Storage", state: dict[str, Any], options: Lo
     ``transactional`` (default) leaves the live state untouched when the load fails; with
     ``cast_dtype``, a tensor saved in another dtype than the live one is converted instead of refused;
     ``generation`` loads an older kept generation;
-    ``framework``, ``role``, ``coordinator``, ``allow_pickle``, ``io_threads``.
+    ``framework``, ``role``, ``coordinator``, ``allow_pickle``, ``io_threads``. ``path`` may also be
+    a :class:`bcp.MemoryTier`: the result's ``source`` and ``source_reason`` say which tier was read.
     """
     options = (options or LoadOptions()).merged(keywords)
     check_keys(state)
@@ -82,29 +84,70 @@ class Wanted(Protocol):
 Want = Callable[[Checkpoint, LoadResult], Wanted]
 
 
+class ReadSource(Protocol):
+    """Where a load reads from when that is not one checkpoint path (a memory tier's node-local
+    copies): how the checkpoint is opened, and what is fetched before this rank's reads run."""
+
+    #: The source as the metrics record names it (a path, URL, Storage or words).
+    display: Any
+
+    def open(self, coord: Coordinator, options: LoadOptions) -> Checkpoint:
+        """Collective: the checkpoint every rank reads from (the same manifest on every rank)."""
+
+    def gather(self, coord: Coordinator, checkpoint: Checkpoint, ops: list[ReadOp] | None) -> None:
+        """Collective: make every byte ``ops`` (this rank's planned reads; None where planning
+        failed) and the value records readable through ``checkpoint`` on this rank."""
+
+
 @paused_gc()  # a load of thousands of tensors builds a few records per tensor, none in cycles
-def load_wanted(path: "str | os.PathLike | Storage", want: Want, options: LoadOptions) -> LoadResult:
+def load_wanted(path: "str | os.PathLike | Storage | CheckpointTarget", want: Want,
+                options: LoadOptions) -> LoadResult:
     """Collective: open the checkpoint at ``path``, read the pieces and values ``want`` names,
     verify them, agree across ranks that every rank has, then apply; with ``options.transactional``
-    no live tensor is written unless every rank read everything. Writes the load's metrics record."""
+    no live tensor is written unless every rank read everything. Writes the load's metrics record.
+    ``path`` may be a :class:`bcp.MemoryTier`, which chooses where to read from."""
+    if isinstance(path, CheckpointTarget):
+        return path.load_wanted(want, options)
+    return load_from(_PathSource(path), want, options)
+
+
+def load_from(source: ReadSource, want: Want, options: LoadOptions) -> LoadResult:
+    """Collective: :func:`load_wanted` from ``source``."""
     coord = as_coordinator(options.coordinator)
     stats = PhaseStats()
     monitor = Monitor("load", coord.rank, coord.world_size, stats, options.topology, options.metrics_log,
                       options.summary_log_level)
     try:
-        return _load(path, want, options, coord, monitor)
+        return _load(source, want, options, coord, monitor)
     except BaseException as exc:
         monitor.fail(None, exc)
         raise
 
 
-def _load(path: "str | os.PathLike | Storage", want: Want, options: LoadOptions, coord: Coordinator,
+@dataclass(frozen=True, slots=True)
+class _PathSource:
+    """A checkpoint path: rank 0 reads the manifest, every rank reads its share from storage."""
+
+    path: "str | os.PathLike | Storage"
+
+    @property
+    def display(self) -> Any:
+        return self.path
+
+    def open(self, coord: Coordinator, options: LoadOptions) -> Checkpoint:
+        return open_checkpoint(self.path, role=options.role, generation=options.generation, verify=options.verify,
+                               io_threads=options.io_threads, coordinator=coord)
+
+    def gather(self, coord: Coordinator, checkpoint: Checkpoint, ops: list[ReadOp] | None) -> None:
+        return None
+
+
+def _load(source: ReadSource, want: Want, options: LoadOptions, coord: Coordinator,
           monitor: Monitor) -> LoadResult:
     stats = monitor.stats
-    monitor.begin(path)
+    monitor.begin(source.display)
     with stats.phase("metadata"):
-        checkpoint = open_checkpoint(path, role=options.role, generation=options.generation, verify=options.verify,
-                                     io_threads=options.io_threads, coordinator=coord)
+        checkpoint = source.open(coord, options)
     monitor.location, monitor.generation = checkpoint.location, checkpoint.generation
     manifest = checkpoint.manifest
     result = LoadResult(checkpoint.path, checkpoint.generation, manifest.world_size, manifest.framework,
@@ -113,8 +156,11 @@ def _load(path: "str | os.PathLike | Storage", want: Want, options: LoadOptions,
         planned = Outcome.of(lambda: _plan(want(checkpoint, result), checkpoint, options))
     if isinstance(planned.error, CheckpointError):
         planned.error.at(checkpoint.path)
+    gathered = Outcome.of(lambda: source.gather(coord, checkpoint, planned.value.ops if planned.error is None
+                                                 else None))
     roles = _read_once_roles(coord, planned, checkpoint) if options.read_once else None
-    read = Outcome.of(lambda: _read(planned, checkpoint, roles, coord, result))
+    read = Outcome.of(lambda: _read(planned, checkpoint, roles, coord, result)) if gathered.error is None \
+        else gathered
     stats.bytes = checkpoint.bytes_read
     _agree_on_reading(coord, planned, read, checkpoint, result, options.strict)
     with stats.phase("apply"):

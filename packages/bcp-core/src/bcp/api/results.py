@@ -66,5 +66,11 @@ class LoadResult:
     #: saved ranks); values identical to a loaded one are not listed.
     dropped: dict[str, list[int]] = field(default_factory=dict)
     stats: PhaseStats = field(default_factory=PhaseStats)
+    #: Which tier the load read: ``"memory"`` (a ``bcp.MemoryTier``'s node-local copies) or
+    #: ``"persistent"`` (a checkpoint on storage; every load from a path).
+    source: str = "persistent"
+    #: Why that tier, in words (a ``bcp.MemoryTier`` load: which generation, what was missing); empty
+    #: for a load from a path.
+    source_reason: str = ""
     #: On the coordinating rank: every rank's timings, bytes and place in the topology; else None.
     metrics: "OpRecord | None" = None

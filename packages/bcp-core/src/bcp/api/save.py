@@ -23,7 +23,8 @@ from bcp.api.metrics import Monitor
 from bcp.api.options import SaveOptions
 from bcp.api.results import PhaseStats, SaveHandle
 from bcp.api.runtime import Runtime, runtime
-from bcp.api.writing import commit_generation, write_generation, write_share
+from bcp.api.targets import CheckpointTarget
+from bcp.api.writing import commit_generation, write_share
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
 from bcp.engine.bytes_of import byte_view, host_contiguous
@@ -51,12 +52,13 @@ from bcp.version import __version__
 logger = logging.getLogger("bcp")
 
 
-def save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options: SaveOptions | None = None,
-         **keywords: Any) -> SaveHandle:
+def save(path: "str | os.PathLike | Storage | CheckpointTarget", state: Mapping[str, Any],
+         options: SaveOptions | None = None, **keywords: Any) -> SaveHandle:
     """Save ``state`` (a dict of components) to ``path``; every rank calls it with its own objects.
 
     Modules, optimizers and sharded tensors anywhere in the (nested) state are saved
-    resharding-ready; other values are saved per rank (``docs/architecture.md``).
+    resharding-ready; other values are saved per rank (``docs/architecture.md``). ``path`` may also be
+    a :class:`bcp.MemoryTier` (node memory, replicated to peers, persisted every k-th save).
     ``options`` (:class:`SaveOptions`), or its fields as keywords: ``async_save`` returns once the
     state is copied to host memory and the handle's ``wait()`` returns when it is committed (and
     raises if it failed); ``allow_pickle`` lets values outside the safe encoding be pickled (the
@@ -64,6 +66,23 @@ def save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options:
     tensors agree across ranks; ``framework``, ``role``, ``coordinator``, ``io_threads``.
     """
     options = (options or SaveOptions()).merged(keywords)
+    if isinstance(path, CheckpointTarget):  # a bcp.MemoryTier: it decides where the save goes
+        return path.save_state(state, options)
+    return save_at(path, lambda: resolve(path, options.role, options.keep_generations), state, options,
+                   commit_generation)
+
+
+#: The commit barrier of a save (``api.writing.commit_generation``'s signature): every rank's write
+#: report in, the verdict out on every rank.
+Commit = Callable[[Coordinator, GenerationWriter, Outcome, Callable[[list[RankWrites]], Manifest], PhaseStats,
+                   "Monitor | None"], None]
+
+
+def save_at(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], options: SaveOptions,
+            commit: Commit) -> SaveHandle:
+    """Collective: ``bcp.save`` into the location ``locate()`` gives (called on every rank), committed
+    by ``commit`` (sync: on this thread; async: on the background lane's commit thread, with the
+    sibling coordinator). ``path`` is what the caller named, for the metrics record."""
     check_keys(state)
     if options.async_writer not in ("process", "threads"):
         raise CheckpointError(f"async_writer must be 'process' or 'threads', not {options.async_writer!r}")
@@ -73,7 +92,7 @@ def save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options:
                       options.summary_log_level)
     with paused_gc():
         try:
-            return _save(path, state, options, coord, runtime(), stats, monitor)
+            return _save(path, locate, state, options, coord, runtime(), stats, monitor, commit)
         except BaseException as exc:
             monitor.fail(None, exc)  # no-op where the writer door recorded it, and on ranks other than 0
             raise
@@ -102,10 +121,10 @@ class _Collected:
         return LocalPlan.of(self.tensors, self.pieces, self.replica_crcs).to_wire()
 
 
-def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options: SaveOptions, coord: Coordinator,
-          rt: Runtime, stats: PhaseStats, monitor: Monitor) -> SaveHandle:
+def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], options: SaveOptions,
+          coord: Coordinator, rt: Runtime, stats: PhaseStats, monitor: Monitor, commit: Commit) -> SaveHandle:
     monitor.begin(path)
-    monitor.location = location = resolve(path, options.role, options.keep_generations)
+    monitor.location = location = locate()
     with stats.phase("collect"):
         collected = Outcome.of(lambda: _collect(state, options, location.display))
     with stats.phase("plan"):
@@ -117,7 +136,8 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
     values = values_to_write(coord.rank, collected.value.values, value_digests)
     if not options.async_save:
         writer = GenerationWriter(location, generation, threads=options.io_threads)
-        write_generation(coord, writer, pieces, values, manifest_of, stats, monitor=monitor)
+        commit(coord, writer, write_share(coord.rank, writer, pieces, values, stats, monitor=monitor), manifest_of,
+               stats, monitor)
         return SaveHandle(location.display, generation, stats, monitor=monitor)
 
     background_coord = coord.sibling()  # collective: before the background thread needs it
@@ -138,10 +158,10 @@ def _save(path: "str | os.PathLike | Storage", state: Mapping[str, Any], options
         finally:
             rt.buffers.release(buffer)  # durable: the next save may stage into it, whatever the barrier does
 
-    def commit(report: Outcome) -> None:
-        commit_generation(background_coord, writer, report, manifest_of, stats, monitor)
+    def commit_in_background(report: Outcome) -> None:
+        commit(background_coord, writer, report, manifest_of, stats, monitor)
 
-    job = rt.background.submit(write, commit, label=f"{location.display} (generation {generation})")
+    job = rt.background.submit(write, commit_in_background, label=f"{location.display} (generation {generation})")
     return SaveHandle(location.display, generation, stats, job, monitor)
 
 

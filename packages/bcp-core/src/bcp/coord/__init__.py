@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from bcp.coord.base import Coordinator, SingleProcessCoordinator
+from bcp.coord.forked_children import left_alone_in_forked_children
 from bcp.coord.side_group import release_side_groups
 from bcp.coord.torch_dist import TorchCoordinator
 
@@ -65,13 +66,7 @@ def as_coordinator(coordinator: "Coordinator | str | None") -> Coordinator:
     return coordinator
 
 
-def _forget_in_child() -> None:
-    _inherited.extend(_grpc.values())  # see coord.grpc.coordinator: a forked child never closes them
-    _grpc.clear()
-
-
-_inherited: list["GrpcCoordinator"] = []
-os.register_at_fork(after_in_child=_forget_in_child)
+left_alone_in_forked_children(_grpc)
 
 
 def release_connections(every: bool = False) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from bcp.coord.forked_children import left_alone_in_forked_children
 from bcp.errors import DistributedError
 
 # How long a member that saw a failure waits for the others' reports before naming the silent ones.
@@ -241,18 +242,14 @@ def side_group(parent: "dist.ProcessGroup", timeout: float, channel: str) -> Sid
     return group
 
 
-def _forget_in_child() -> None:
-    # A forked child (a DataLoader worker) inherits the groups but not gloo's threads: shutting
-    # them down or destroying them there would join threads that do not exist. It keeps them,
-    # unused, for its whole life, and makes its own if it ever coordinates.
-    with _lock:
-        _inherited.extend(_live.values())
-        _live.clear()
+def _fresh_lock_in_child() -> None:
+    # Another thread of the parent may have held the lock at the fork: it would never be released here.
+    global _lock
+    _lock = threading.Lock()
 
 
-# Groups a forked child inherited, never touched nor destroyed (see _forget_in_child).
-_inherited: list[SideGroup] = []
-os.register_at_fork(after_in_child=_forget_in_child)
+left_alone_in_forked_children(_live)
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 def _digest(members: tuple[int, ...]) -> str:

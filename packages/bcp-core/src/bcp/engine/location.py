@@ -106,7 +106,11 @@ class Location:
     def commit(self, generation: int, manifest: Manifest) -> None:
         """Write the shard table and the manifest, then the marker that makes the generation visible.
         The generation must still hold its claim: another writer's retention may have removed it."""
-        manifest_bytes, table_bytes = manifest.encode()
+        self.commit_encoded(generation, *manifest.encode())
+
+    def commit_encoded(self, generation: int, manifest_bytes: bytes, table_bytes: bytes) -> None:
+        """:meth:`commit` of a manifest already encoded (a memory tier's node folders all commit
+        the bytes one rank assembled)."""
         self._check_claimed(generation)
         self.storage.write_file(self.name(generation, SHARD_TABLE), [memoryview(table_bytes)])
         self.storage.write_file(self.name(generation, MANIFEST), [memoryview(manifest_bytes)])

@@ -28,6 +28,7 @@ from bcp.coord.grpc import tree_pb2, tree_pb2_grpc
 from bcp.coord.grpc.inbox import Inbox, Received, TreeServicer
 from bcp.coord.grpc.rendezvous import Peer, look_up, meet, publish, share_secret
 from bcp.coord.grpc.security import SecretCheck, TlsConfig, secret_metadata
+from bcp.coord.forked_children import left_alone_in_forked_children
 from bcp.coord.grpc.topology import Tree
 from bcp.errors import DistributedError
 
@@ -290,14 +291,7 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _forget_in_child() -> None:
-    # A forked child inherits the coordinators but not gRPC's threads: it never closes them.
-    _inherited.extend(_open)
-    _open.clear()
-
-
-_inherited: list["GrpcCoordinator"] = []
-os.register_at_fork(after_in_child=_forget_in_child)
+left_alone_in_forked_children(_open)
 
 
 def close_open_coordinators() -> None:

@@ -1,0 +1,123 @@
+"""A node's folder of the memory tier: the normal bcp format (``docs/format.md``), one folder per node
+under the tier's ``local_dir``. It holds the data files of the node's ranks, the copies it keeps for
+peer nodes, the manifest and its own commit marker; one committed generation is kept, plus the one
+being written.
+
+Generations are numbered across nodes: a save takes the number after the newest in any node's
+folder, so a replaced node's empty folder never makes an older generation look new."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from bcp.coord import Coordinator
+from bcp.coord.consensus import Outcome, all_agree
+from bcp.engine.location import CLAIM, DATA_DIR, MANIFEST, Location, generation_dir
+from bcp.errors import CheckpointError, StorageError
+from bcp.storage import LocalStorage
+
+#: Committed generations a node's folder keeps after a commit (generations being written stay too).
+KEEP_GENERATIONS = 1
+
+
+def node_folder(local_dir: str, node: str) -> str:
+    return os.path.join(local_dir, f"node-{node}")
+
+
+@dataclass(frozen=True)
+class NodeLocation(Location):
+    """A node's folder as a checkpoint location. Every rank of a save names the tier by the same
+    ``identity`` (``target``), whatever its node; ``claimed`` is the generation the tier agreed on
+    before planning, handed to the save's planner as its claim."""
+
+    identity: str = ""
+    claimed: int = 0
+
+    @property
+    def target(self) -> str:
+        return self.identity
+
+    def claim_next_generation(self) -> int:
+        return self.claimed
+
+
+def node_location(local_dir: str, node: str, display: str, identity: str, claimed: int = 0) -> NodeLocation:
+    return NodeLocation(LocalStorage(node_folder(local_dir, node)), "", display, KEEP_GENERATIONS, identity,
+                        claimed)
+
+
+def agree_on_generation(coord: Coordinator, location: Location, node_lead: bool) -> int:
+    """Collective: the generation this save writes, after the newest one in any node's folder; each
+    node's lead claims it in its folder (``CLAIM``, create-if-absent)."""
+    what = f"choosing the generation of {location.display}"
+    newest = all_agree(coord, Outcome.of(lambda: max(location.generations(), default=0)), what)
+    generation = max(newest) + 1
+
+    def claim() -> None:
+        if not node_lead:
+            return
+        try:
+            fresh = location.storage.put_if_absent(location.name(generation, CLAIM), json.dumps(
+                {"pid": os.getpid()}).encode())
+        except OSError as exc:
+            raise StorageError(f"cannot claim generation {generation} in the node's folder {location.storage.root}: "
+                               f"{exc.strerror or exc}", path=location.display) from exc
+        if not fresh:
+            raise CheckpointError(f"generation {generation} is already claimed in {location.storage.root}: "
+                                  "another job saves to this memory tier at the same time", path=location.display)
+
+    all_agree(coord, Outcome.of(claim), what)
+    return generation
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """One generation in a rank's node folder: committed or not, its data files present (name ->
+    size) and, when committed, the data files its manifest names."""
+
+    generation: int
+    committed: bool
+    present: dict[str, int]
+    needed: list[str]
+
+    def to_wire(self) -> list[Any]:
+        return [self.generation, self.committed, self.present, self.needed]
+
+    @staticmethod
+    def from_wire(wire: list[Any]) -> "Held":
+        return Held(wire[0], wire[1], dict(wire[2]), list(wire[3]))
+
+
+def census(location: Location) -> list[Held]:
+    """What this rank's node folder holds, newest generation first."""
+    found = []
+    storage = location.storage
+    for generation in reversed(location.generations()):
+        committed = location.is_committed(generation)
+        data = location.name(generation, DATA_DIR)
+        present = {f"{DATA_DIR}/{name}": storage.size(f"{data}/{name}") for name in storage.list_dir(data)
+                   if name.endswith(".bin")}
+        needed = _manifest_files(location, generation) if committed else []
+        found.append(Held(generation, committed and needed is not None, present, needed or []))
+    return found
+
+
+def _manifest_files(location: Location, generation: int) -> list[str] | None:
+    """The data files the committed manifest names (checked again, fully, when it is opened); None
+    when the manifest cannot be read (that node's copy of the generation is not used)."""
+    try:
+        files = json.loads(location.storage.read_bytes(location.name(generation, MANIFEST)))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return [name for name in files if isinstance(name, str)] if isinstance(files, list) else None
+
+
+def retire_older(location: Location, generation: int) -> None:
+    """After ``generation`` committed in this node's folder: remove every older generation."""
+    for older in location.generations():
+        if older < generation:
+            location.storage.delete_tree(generation_dir(older))
+
