@@ -22,6 +22,13 @@ from process_checks import gone
 pytestmark = pytest.mark.skipif(not shared_memory_available(), reason="no shared memory by descriptor here")
 
 
+@pytest.fixture(autouse=True)
+def _released():
+    """Each test leaves no writer process and no staging buffers to the tests after it."""
+    yield
+    bcp.shutdown()
+
+
 def _state(fill: float, tensors: int = 8) -> dict:
     return {f"t{i}": torch.full((1 << 18,), fill + i) for i in range(tensors)}
 

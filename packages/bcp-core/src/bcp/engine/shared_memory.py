@@ -10,7 +10,6 @@ as torch's own pinned memory is, so device-to-host copies into it run at the bus
 from __future__ import annotations
 
 import itertools
-import mmap
 import os
 import weakref
 
@@ -34,25 +33,21 @@ class SharedHostBuffer:
         self.id = next(_ids)
         self.nbytes = nbytes
         self.fd = os.memfd_create(f"bcp-staging-{self.id}", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(self.fd, max(1, nbytes))
-            self._map: mmap.mmap | None = mmap.mmap(self.fd, max(1, nbytes))
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self.tensor: torch.Tensor | None = torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes) if nbytes else \
-            torch.empty(0, dtype=torch.uint8)
-        self.pinned = register_pinned(self.tensor)
         self._closer = weakref.finalize(self, os.close, self.fd)  # a buffer dropped unclosed frees its fd
-
+        os.ftruncate(self.fd, max(1, nbytes))
+        # Mapped by torch, which keeps no descriptor of its own (Python's mmap would hold a duplicate
+        # until its last view is collected); the mapping goes with the last tensor viewing it.
+        self.tensor: torch.Tensor | None = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=nbytes,
+                                                           dtype=torch.uint8)
+        self.pinned = register_pinned(self.tensor)
 
     def close(self) -> None:
-        """Give the memory back: it is unmapped once the last tensor viewing it is gone here, and
-        once the writer process has dropped its mapping there."""
+        """Give the memory back: unmapped here once no tensor views it, and there once the writer
+        process has dropped its mapping too."""
         if self.fd < 0:
             return
         if self.pinned:
             unregister_pinned(self.tensor)
-        self.tensor = self._map = None  # the tensor holds the map: the last view to go unmaps it
+        self.tensor = None
         self._closer()
         self.fd = -1
