@@ -6,6 +6,9 @@ the save time. Interleaved rounds in one fresh process, medians.
     .venv/bin/python benchmarks/async_lane.py                  # 512 MB state, 3 rounds
     .venv/bin/python benchmarks/async_lane.py --size-mb 896 --rounds 5
 
+The candidates: bcp's writer process (fed from shared memory) and bcp's writer threads, each at
+normal and at background priority, and DCP's async_save with its thread and with its process.
+
 Targets: the step rate during the save >= 0.95x the rate alone, and the asynchronous save's call to
 commit <= 1.5x the synchronous save.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -25,8 +29,12 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
 import bcp  # noqa: E402
 import bcp.engine.writer as writer_module  # noqa: E402
+from bcp.engine import priority, writer_process  # noqa: E402
 
 from bcpbench import disk  # noqa: E402
 from bcpbench.launch import launch  # noqa: E402
@@ -63,34 +71,61 @@ def steps_while(busy: Callable[[], bool], step: Callable[[], None]) -> tuple[flo
 
 
 @contextlib.contextmanager
-def normal_priority() -> Iterator[None]:
-    """Writer threads at the training thread's priority (the lane's setting before background priority)."""
+def lane_settings(threads_lowered: bool, process_niceness: int, process_files: int) -> Iterator[None]:
+    """The lane's settings for one candidate: its writer threads' priority, its writer process's
+    priority and how many files that process writes at once."""
     lower = writer_module.lower_this_thread
-    writer_module.lower_this_thread = lambda: None
+    niceness, files = priority.WRITER_PROCESS_NICENESS, writer_process.FILES_AT_ONCE
+    if not threads_lowered:
+        writer_module.lower_this_thread = lambda: None
+    priority.WRITER_PROCESS_NICENESS, writer_process.FILES_AT_ONCE = process_niceness, process_files
     try:
         yield
     finally:
         writer_module.lower_this_thread = lower
+        priority.WRITER_PROCESS_NICENESS, writer_process.FILES_AT_ONCE = niceness, files
 
 
-def candidates() -> dict[str, Callable[[str, dict], Any]]:
-    """Name -> start an asynchronous save, returning something with ``done()``."""
-    def bcp_async(io_threads: int, lowered: bool) -> Callable[[str, dict], Any]:
+@dataclasses.dataclass
+class Candidate:
+    """``start(path, state)`` starts an asynchronous save and returns something with ``done()``;
+    ``prepare(path)``, untimed, before it (a writer process of this candidate's priority started)."""
+
+    start: Callable[[str, dict], Any]
+    prepare: Callable[[str], None] = lambda path: None
+
+
+def candidates() -> dict[str, Candidate]:
+    def bcp_async(writer: str, files: int, niceness: int) -> Candidate:
+        def settings():
+            return lane_settings(threads_lowered=niceness > 0, process_niceness=niceness, process_files=files)
+
+        def prepare(path: str) -> None:
+            if writer == "process":  # the lane starts a writer process of the requested priority
+                with settings():
+                    bcp.save(path, {"model": {"w": torch.zeros(4)}}, async_save=True, async_writer=writer).wait()
+                disk.remove(path)
+
         def start(path: str, state: dict) -> Any:
-            with contextlib.nullcontext() if lowered else normal_priority():
-                handle = bcp.save(path, {"model": state}, async_save=True, io_threads=io_threads)
-                # the writer threads start in the background: keep the setting until they have
-                _wait_for_writers()
+            with settings():
+                handle = bcp.save(path, {"model": state}, async_save=True, io_threads=files,
+                                  async_writer=writer)
+                if writer == "threads":  # they start in the background: keep the setting until they have
+                    _wait_for_writers()
             return handle
-        return start
+        return Candidate(start, prepare)
 
     dcp = DcpAsync(reuse_stager=False)
     return {
-        "bcp, io_threads=4, normal priority": bcp_async(4, False),
-        "bcp, io_threads=1, normal priority": bcp_async(1, False),
-        "bcp, io_threads=4, background priority (default)": bcp_async(4, True),
-        "bcp, io_threads=2, background priority": bcp_async(2, True),
-        "DCP async_save (thread)": lambda path, state: dcp.save_async(path, state),
+        "bcp, writer process, 2 files, nice +19 (default)": bcp_async("process", 2, 19),
+        "bcp, writer process, 2 files, nice +10": bcp_async("process", 2, 10),
+        "bcp, writer process, 4 files, nice +19": bcp_async("process", 4, 19),
+        "bcp, writer process, 4 files, nice +10": bcp_async("process", 4, 10),
+        "bcp, writer process, 4 files, normal priority": bcp_async("process", 4, 0),
+        "bcp, threads, 4 files, nice +10 (the previous default)": bcp_async("threads", 4, 10),
+        "bcp, threads, 4 files, normal priority": bcp_async("threads", 4, 0),
+        "DCP async_save (thread)": Candidate(lambda path, state: dcp.save_async(path, state)),
+        "DCP async_save (process)": Candidate(lambda path, state: dcp.save_async(path, state, process=True)),
     }
 
 
@@ -105,6 +140,8 @@ def _wait_for_writers(timeout: float = 2.0) -> None:
 def run(config: dict[str, Any]) -> dict:
     if config.get("switch_interval"):  # diagnosis: how much of the cost is waiting for the GIL
         sys.setswitchinterval(config["switch_interval"])
+    if not dist.is_initialized():  # DCP's process-based async_save needs a group, even of one
+        dist.init_process_group("gloo")
     shapes = gpt_shapes(config["size_bytes"])
     state = random_state(shapes, seed=1)
     step = calibrated_step()
@@ -130,8 +167,9 @@ def run(config: dict[str, Any]) -> dict:
         names = list(starts)
         for name in names[max(rnd, 0) % len(names):] + names[:max(rnd, 0) % len(names)]:
             path = os.path.join(workdir, f"{len(results)}-{rnd}")
+            starts[name].prepare(path + "-prepare")
             t = time.perf_counter()
-            handle = starts[name](path, state)
+            handle = starts[name].start(path, state)
             rate, times = steps_while(lambda: not handle.done(), step)
             seconds = time.perf_counter() - t
             if hasattr(handle, "wait"):

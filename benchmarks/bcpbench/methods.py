@@ -107,11 +107,15 @@ class DcpAsync:
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                                         use_async_staging=False, use_non_blocking_copy=False))
 
-    def save_async(self, path: str, state: Tensors) -> Future:
+    def save_async(self, path: str, state: Tensors, process: bool = False) -> Future:
+        """With ``process``, DCP's writer process (``AsyncCheckpointerType.PROCESS``) writes, which
+        needs a process group (one of a single rank will do)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+        kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
         return dcp.async_save({"model": state}, storage_writer=dcp.FileSystemWriter(path),
-                              async_stager=self._stager)
+                              async_stager=self._stager, async_checkpointer_type=kind)
 
     def close(self) -> None:
         if self._stager is not None:

@@ -201,3 +201,32 @@ def _plain_state() -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 7))
     return {"model": model, "extra_state": None}
+
+
+def _say_writer_process() -> None:
+    from bcp.integration import runtime
+
+    print(f"writer process: {runtime().background.writer_pid()}", flush=True)
+
+
+def writer_process_then_leave(path: str, how: str, destroy: bool) -> None:
+    """Asynchronous saves through the writer process, the last one left pending; the script then
+    ends ``how``. Prints the writer process's id, which must be gone once the rank has exited."""
+    _, world = _join()
+    state = _trained_state(world)
+    bcp.save(path, state, async_save=True).wait()
+    bcp.save(path, state, async_save=True)
+    _say_writer_process()
+    _leave(how, destroy)
+
+
+def killed_while_the_writer_process_writes(path: str) -> None:
+    """A committed checkpoint, then a rank killed (SIGKILL, as by the OOM killer) right after its
+    asynchronous save of a larger state was handed to the writer process."""
+    _, world = _join()
+    state = _trained_state(world)
+    bcp.save(path, state)
+    large = {"model": {f"w{i}": torch.randn(1 << 20) for i in range(16)}}
+    bcp.save(path, large, async_save=True)
+    _say_writer_process()
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -21,6 +21,7 @@ import pytest
 from torch import nn
 
 import bcp
+from process_checks import gone
 from zygote import Zygote
 
 REPEATS = 2
@@ -130,3 +131,27 @@ def test_the_readme_demo_exits_zero_on_every_rank(tmp_path):
     done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo.py"), str(tmp_path / "ckpt")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "demo OK" in done.stdout, done.stdout + done.stderr
+
+
+def _writer_processes(result) -> list[int]:
+    return [int(re.search(r"writer process: (\d+)", rank.output).group(1)) for rank in result.ranks]
+
+
+@pytest.mark.parametrize("destroy", [True, False])
+def test_each_ending_with_the_writer_process_exits_as_the_script_says_and_ends_it(zygote, tmp_path, destroy):
+    path = str(tmp_path / "ckpt")
+    for how, code in (("return", 0), ("exit", 0), ("raise", 1)):
+        result = zygote.run("lifecycle_jobs:writer_process_then_leave", 2, path, how, destroy)
+        _expect(result, [code, code])
+        assert all(gone(pid) for pid in _writer_processes(result)), result.describe()
+    # the save left pending at each exit was committed before the rank ended
+    assert bcp.load(path, {"extra_state": None}).generation == 6
+
+
+def test_a_rank_killed_while_its_writer_process_writes_takes_the_writer_with_it(zygote, tmp_path):
+    path = str(tmp_path / "ckpt")
+    result = zygote.run("lifecycle_jobs:killed_while_the_writer_process_writes", 2, path)
+    _expect(result, [None, None], [signal.SIGKILL, signal.SIGKILL])
+    assert all(gone(pid) for pid in _writer_processes(result)), result.describe()
+    model = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 7))
+    assert bcp.load(path, {"model": model, "extra_state": None}).generation == 1  # nothing else committed

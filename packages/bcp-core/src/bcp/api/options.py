@@ -66,6 +66,12 @@ class SaveOptions(_CommonOptions):
 
     async_save: bool = False
     """Return once the state is copied to host memory; the handle's ``wait()`` returns when committed."""
+    async_writer: str = "process"
+    """Who writes an asynchronous save's files: ``"process"``, bcp's writer process, fed from shared
+    memory, beside the training process (its checksums and writes never take the training thread's
+    interpreter lock; at most 2 files at once, at a low priority); or ``"threads"``, ``io_threads``
+    threads of the training process at a lower priority. Storages another process cannot reach
+    (``memory://``, S3) and platforms without shared memory by descriptor (not Linux) use threads."""
     verify_replicas: bool = False
     """Check, by checksum, that replicated tensors agree across ranks."""
     keep_generations: int = DEFAULT_KEEP_GENERATIONS

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from bcp.coord import release_connections
 from bcp.engine.background import BackgroundLane
 from bcp.engine.load_staging import LoadStagingPool
+from bcp.engine.shared_memory import shared_memory_available
 from bcp.engine.staging import HostBufferPool
 from bcp.planning.plan_cache import PlanCache
 
@@ -43,7 +44,8 @@ class Runtime:
     def __init__(self) -> None:
         self.plan_cache = PlanCache()
         #: Two sets: the next save stages into one while the previous one still writes from the other.
-        self.buffers = HostBufferPool(max_sets=2)
+        #: Shared memory where the platform has it: the writer process reads the staged bytes there.
+        self.buffers = HostBufferPool(max_sets=2, shared=shared_memory_available())
         self.background = BackgroundLane()
         #: The last load's staging buffers, which the next load reuses.
         self.load_staging = LoadStagingPool()
@@ -52,6 +54,7 @@ class Runtime:
         """Wait for every pending save, then release the lane's thread, the cached plans and the
         load staging buffers."""
         self.background.close()
+        self.buffers.clear()
         self.plan_cache.clear()
         self.load_staging.clear()
 
@@ -93,6 +96,7 @@ def _after_groups_destroyed() -> None:
     release_connections()
     if not dist.is_initialized():  # the world is gone too: so are the lane's threads (restarted on demand)
         _current.background.close()
+        _current.buffers.clear()
 
 
 def _at_exit() -> None:

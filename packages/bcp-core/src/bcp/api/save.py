@@ -9,6 +9,7 @@ pieces are copied to host buffers), then the writer door (write, commit)."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -30,7 +31,8 @@ from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import crc_of
 from bcp.engine.location import Location
 from bcp.engine.staging import stage, staged_nbytes
-from bcp.engine.writer import GenerationWriter
+from bcp.engine.writer import GenerationWriter, InProcess
+from bcp.engine.writer_process import storage_for_process
 from bcp.errors import CheckpointError
 from bcp.layout.local_plan import LocalPlan
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
@@ -46,6 +48,8 @@ from bcp.planning.save_plan import PlanColumns, global_plan, structure_key, writ
 from bcp.planning.shared_values import digests, values_to_write
 from bcp.storage import Storage
 from bcp.version import __version__
+
+logger = logging.getLogger("bcp")
 
 
 def save(path: "str | os.PathLike | Storage | CheckpointTarget", state: Mapping[str, Any],
@@ -80,6 +84,8 @@ def save_at(path: Any, locate: Callable[[], Location], state: Mapping[str, Any],
     by ``commit`` (sync: on this thread; async: on the background lane's commit thread, with the
     sibling coordinator). ``path`` is what the caller named, for the metrics record."""
     check_keys(state)
+    if options.async_writer not in ("process", "threads"):
+        raise CheckpointError(f"async_writer must be 'process' or 'threads', not {options.async_writer!r}")
     coord = as_coordinator(options.coordinator)
     stats = PhaseStats()
     monitor = Monitor("save", coord.rank, coord.world_size, stats, options.topology, options.metrics_log,
@@ -126,11 +132,10 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
                                                          cache=not options.verify_replicas)
     monitor.generation = generation
     pieces = writes_of(collected.value.pieces, plan.writes)
-    writer = GenerationWriter(location, generation, threads=options.io_threads, background=options.async_save,
-                              abandon=rt.background.abandon if options.async_save else None)
     manifest_of = _manifest_builder(generation, collected.value.framework, plan, options.step)
     values = values_to_write(coord.rank, collected.value.values, value_digests)
     if not options.async_save:
+        writer = GenerationWriter(location, generation, threads=options.io_threads)
         commit(coord, writer, write_share(coord.rank, writer, pieces, values, stats, monitor=monitor), manifest_of,
                stats, monitor)
         return SaveHandle(location.display, generation, stats, monitor=monitor)
@@ -143,6 +148,8 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
         except BaseException:
             rt.buffers.release(buffer)
             raise
+    writer = GenerationWriter(location, generation, threads=options.io_threads, background=True,
+                              abandon=rt.background.abandon, in_process=_in_process(rt, location, buffer, options))
     monitor.returned()  # the caller gets control back: the blocking time ends here
 
     def write() -> Outcome:
@@ -156,6 +163,22 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
 
     job = rt.background.submit(write, commit_in_background, label=f"{location.display} (generation {generation})")
     return SaveHandle(location.display, generation, stats, job, monitor)
+
+
+def _in_process(rt: Runtime, location: Location, buffer: Any, options: SaveOptions) -> InProcess | None:
+    """The writer process's part in an asynchronous save, where it takes it (``async_writer``)."""
+    if options.async_writer == "threads":
+        return None
+    shared = rt.buffers.shared_of(buffer)
+    storage = storage_for_process(location.storage) if shared is not None else None
+    if storage is None:
+        return None
+    try:
+        process = rt.background.writer_process()
+    except OSError as exc:  # no process can be started here (limits, a sandbox): threads write
+        logger.warning("bcp: the writer process could not be started (%s); writing from threads", exc)
+        return None
+    return InProcess(process, storage, shared, rt.buffers.shared_ids())
 
 
 def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> _Collected:

@@ -3,6 +3,9 @@ then its commit barrier (every rank's report to the coordinating rank, the commi
 Each stage runs one save at a time in call order, so commits happen in the order ``save`` was
 called, while the next save's writes overlap the previous save's barrier instead of waiting for it.
 
+The lane also holds the writer process (``writer_process``) that writes the files of the saves
+handed to it, started with the first such save and restarted after one that it did not survive.
+
 The lane belongs to the process's Runtime: it is closed by ``bcp.shutdown()``, when the process
 groups are destroyed, and at interpreter exit (after waiting for its saves, or abandoning them)."""
 
@@ -14,6 +17,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
+from bcp.engine import priority
+from bcp.engine.writer_process import WriterProcess
+
 
 class BackgroundLane:
     """Two-stage jobs; each stage's thread is started with the first job."""
@@ -24,6 +30,24 @@ class BackgroundLane:
         self._pending: list[tuple[Future, str]] = []
         #: Set to abandon every save not yet committed: their writers stop (see GenerationWriter).
         self.abandon = threading.Event()
+        self._process: WriterProcess | None = None
+
+    def writer_process(self) -> WriterProcess:
+        """The running writer process, started now if there is none, if the last one died, or if
+        its niceness is not ``priority.WRITER_PROCESS_NICENESS`` any more."""
+        niceness = priority.WRITER_PROCESS_NICENESS
+        with self._lock:
+            if self._process is not None and (not self._process.alive() or self._process.niceness != niceness):
+                self._process.close()
+                self._process = None
+            if self._process is None:
+                self._process = WriterProcess(niceness)
+            return self._process
+
+    def writer_pid(self) -> int | None:
+        """The writer process's id while one runs (it may have died since), else None."""
+        with self._lock:
+            return self._process.pid if self._process is not None else None
 
     def submit(self, first: Callable[[], Any], then: Callable[[Any], Any], label: str = "a save") -> Future:
         """Runs ``first()`` on the first stage's thread, then ``then(its result)`` on the second's;
@@ -71,12 +95,15 @@ class BackgroundLane:
         return True
 
     def close(self) -> None:
-        """Wait for the pending jobs, then stop the threads."""
+        """Wait for the pending jobs, then stop the threads and the writer process."""
         self.wait_pending()
         with self._lock:
             stages, self._stages = self._stages, None
+            process, self._process = self._process, None
         for stage in stages or ():
             stage.shutdown(wait=True)
+        if process is not None:
+            process.close()
 
 
 def _settle(done: Future, work: Callable[[], Any]) -> None:

@@ -75,3 +75,18 @@ def is_accelerator(tensor: torch.Tensor) -> bool:
 def pin_host() -> bool:
     """Whether host buffers should be pinned: an accelerator is present to copy to and from."""
     return torch.accelerator.is_available()
+
+
+def register_pinned(host: torch.Tensor) -> bool:
+    """Page-lock memory torch did not allocate (shared memory), as ``pin_memory`` would, so copies
+    from the device into it are asynchronous DMA; returns whether it was registered. Only CUDA's
+    driver offers this for foreign memory: elsewhere the memory stays pageable (copies still work,
+    as synchronous ones)."""
+    if host.numel() == 0 or not torch.cuda.is_available():
+        return False
+    return int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)) == 0
+
+
+def unregister_pinned(host: torch.Tensor) -> None:
+    """Undo :func:`register_pinned` before the memory is unmapped."""
+    torch.cuda.cudart().cudaHostUnregister(host.data_ptr())

@@ -13,18 +13,23 @@ import threading
 #: times the CPU share of each writer when both want the same core.
 NICENESS = 10
 
+#: Added to the niceness of the writer process of asynchronous saves (``writer_process``), all its
+#: threads; 0 leaves it at the training process's priority.
+WRITER_PROCESS_NICENESS = 19
+
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}.get(platform.machine())
 _IOPRIO_WHO_PROCESS = 1  # a thread id names the thread
 _IOPRIO_CLASS_BE, _LOWEST_LEVEL = 2, 7
 
 
-def lower_this_thread() -> None:
-    """Lower the calling thread's CPU and I/O priority; a no-op where the platform has neither."""
+def lower_this_thread(niceness: int = NICENESS) -> None:
+    """Lower the calling thread's CPU priority by ``niceness`` and its I/O priority to the lowest of
+    the best-effort class; a no-op where the platform has neither."""
     if not hasattr(os, "setpriority"):
         return
     thread = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + NICENESS))
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + niceness))
     except OSError:
         pass  # a sandbox may forbid it: the save still runs, at normal priority
     if _IOPRIO_SET is not None:

@@ -3,7 +3,8 @@ so training may change its tensors as soon as ``save`` returns.
 
 A pool keeps at most ``max_sets`` buffers (ping-pong: the next save stages into one buffer while
 the previous save is still writing from the other) and reuses them across saves, so host memory
-stays flat. Where an accelerator is present the buffers are pinned, and tensors in its memory are
+stays flat. A shared pool's buffers are shared memory (``shared_memory``), which the writer process
+reads from. Where an accelerator is present the buffers are pinned, and tensors in its memory are
 copied on bcp's copy stream after the work queued so far (``device_copies``): staging waits for
 those copies only, not for every kernel training has queued.
 """
@@ -15,6 +16,7 @@ import threading
 import torch
 
 from bcp.engine.device_copies import is_accelerator, pin_host, to_host
+from bcp.engine.shared_memory import SharedHostBuffer
 from bcp.layout.write_plan import PieceWrite
 
 ALIGN = 64  # every staged piece starts on a 64-byte boundary: any dtype view of it is aligned
@@ -29,13 +31,16 @@ def staged_nbytes(writes: list[PieceWrite]) -> int:
 
 
 class HostBufferPool:
-    """Reusable host buffers; ``acquire`` blocks while ``max_sets`` buffers are in use."""
+    """Reusable host buffers; ``acquire`` blocks while ``max_sets`` buffers are in use. With
+    ``shared``, every buffer is shared memory (:meth:`shared_of` gives its descriptor)."""
 
-    def __init__(self, max_sets: int = 2) -> None:
+    def __init__(self, max_sets: int = 2, shared: bool = False) -> None:
         self.max_sets = max_sets
+        self.shared = shared
         self._free: list[torch.Tensor] = []
         self._in_use = 0
         self._allocated = 0
+        self._shared: dict[int, SharedHostBuffer] = {}  # id(tensor) -> its shared memory
         self._cond = threading.Condition()
 
     def acquire(self, nbytes: int) -> torch.Tensor:
@@ -47,10 +52,16 @@ class HostBufferPool:
             if fitting:  # by position: list.remove would compare tensors with ==, element by element
                 return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
             if self._free:  # too small to reuse: give its memory back before allocating
-                dropped = self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
-                self._allocated -= dropped.numel()
+                self._drop(self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel())))
             self._allocated += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_host())
+        try:
+            return self._allocate(nbytes)
+        except BaseException:
+            with self._cond:
+                self._in_use -= 1
+                self._allocated -= nbytes
+                self._cond.notify()
+            raise
 
     def release(self, buffer: torch.Tensor) -> None:
         with self._cond:
@@ -58,11 +69,41 @@ class HostBufferPool:
             self._in_use -= 1
             self._cond.notify()
 
+    def shared_of(self, buffer: torch.Tensor) -> SharedHostBuffer | None:
+        """The shared memory behind one of this pool's buffers (None in a pool that is not shared)."""
+        with self._cond:
+            return self._shared.get(id(buffer))
+
+    def shared_ids(self) -> set[int]:
+        """The ids of the shared buffers the pool holds, in use or free."""
+        with self._cond:
+            return {shared.id for shared in self._shared.values()}
+
+    def clear(self) -> None:
+        """Give back the memory of the buffers not in use (call it once no save is pending)."""
+        with self._cond:
+            while self._free:
+                self._drop(self._free.pop())
+
     @property
     def allocated_bytes(self) -> int:
         """Host memory held by the pool's buffers, in use or free."""
         with self._cond:
             return self._allocated
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        if not self.shared:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_host())
+        shared = SharedHostBuffer(nbytes)
+        with self._cond:
+            self._shared[id(shared.tensor)] = shared
+        return shared.tensor
+
+    def _drop(self, buffer: torch.Tensor) -> None:  # under the lock
+        self._allocated -= buffer.numel()
+        shared = self._shared.pop(id(buffer), None)
+        if shared is not None:
+            shared.close()
 
 
 def stage(writes: list[PieceWrite], buffer: torch.Tensor) -> list[PieceWrite]:

@@ -2,6 +2,10 @@
 files, with chunk checksums, several files in parallel (one writer thread per file), straight from
 tensor memory; then the coordinating rank commits the manifest (``Location.commit``).
 
+An asynchronous save may hand the file writes to the writer process (``writer_process``): its
+pieces are then staged in shared memory, and the writer process writes and checksums them while
+this process only waits for its answer.
+
 Pieces may be produced lazily (the tools that stream one checkpoint into another): each writer
 thread asks for one piece's tensor when it reaches it and releases it right after, so memory holds
 about one piece per thread however large the checkpoint is.
@@ -20,6 +24,8 @@ from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import chunk_crcs
 from bcp.engine.location import Location, data_file_name
 from bcp.engine.priority import lower_this_thread
+from bcp.engine.shared_memory import SharedHostBuffer
+from bcp.engine import writer_process
 from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.write_plan import PieceWrite, ValueWrite
@@ -36,12 +42,23 @@ class _Item:
     value: ValueWrite | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class InProcess:
+    """Writes handed to the writer process: ``storage`` pickled for it, the shared ``buffer`` the
+    pieces are staged in, and the ids of every shared buffer the training process still holds."""
+
+    process: writer_process.WriterProcess
+    storage: bytes
+    buffer: SharedHostBuffer
+    live: set[int]
+
+
 class GenerationWriter:
     """Generation ``generation`` at ``location``, being written."""
 
     def __init__(self, location: Location, generation: int, *, threads: int,
                  chunk: int = DEFAULT_CHECKSUM_CHUNK, background: bool = False,
-                 abandon: threading.Event | None = None) -> None:
+                 abandon: threading.Event | None = None, in_process: InProcess | None = None) -> None:
         self.location = location
         self.generation = generation
         self.threads = threads
@@ -50,6 +67,8 @@ class GenerationWriter:
         self.background = background
         #: Once set, the writes stop before their next piece and fail with SaveAbandonedError.
         self.abandon = abandon
+        #: Where set, the writer process writes the files (from the staged shared buffer).
+        self.in_process = in_process
 
     def write_rank(self, rank: int, pieces: Sequence[PieceWrite], values: Sequence[ValueWrite],
                    on_written: Callable[[int], None] | None = None) -> RankWrites:
@@ -57,21 +76,60 @@ class GenerationWriter:
         after each piece (from a writer thread)."""
         items = [_Item(p.nbytes, piece=p) for p in pieces] + [_Item(len(v.data), value=v) for v in values]
         total = sum(item.nbytes for item in items)
-        bins = _balance(items, max(1, min(self.threads, len(items), total // MIN_BYTES_PER_FILE)))
+        threads = self.threads if self.in_process is None else min(self.threads, writer_process.FILES_AT_ONCE)
+        bins = _balance(items, max(1, min(threads, len(items), total // MIN_BYTES_PER_FILE)))
         files = [data_file_name(rank, i) for i in range(len(bins))]
+        if self.in_process is not None:
+            crcs = self._write_in_process(files, bins)
+            if on_written is not None:
+                on_written(sum(item.nbytes for item in items if item.piece is not None))
+        else:
+            crcs = self._write_in_threads(files, bins, on_written)
         piece_rows: list[PieceRecord] = []
         value_rows: list[ValueRecord] = []
+        for file_index, (file_items, file_crcs) in enumerate(zip(bins, crcs)):
+            offset = 0
+            for item, item_crcs in zip(file_items, file_crcs):
+                if item.piece is not None:
+                    part = item.piece.part
+                    piece_rows.append(PieceRecord(item.piece.index, part.offsets if part else None,
+                                                  part.lengths if part else None, file_index, offset, item.nbytes,
+                                                  item_crcs))
+                else:
+                    value = item.value
+                    value_rows.append(ValueRecord(value.name, file_index, offset, item.nbytes, value.tree_nbytes,
+                                                  item_crcs, list(value.ranks) if value.ranks else None))
+                offset += item.nbytes
+        return RankWrites(files, WrittenPieces.of(piece_rows), value_rows, any(v.used_pickle for v in values))
+
+    def _write_in_threads(self, files: list[str], bins: list[list[_Item]],
+                          on_written: Callable[[int], None] | None) -> list[list[list[int]]]:
         if on_written is not None:  # called from the writer threads: one at a time
             on_written = _serialized(on_written)
         with ThreadPoolExecutor(max_workers=len(bins) or 1, thread_name_prefix="bcp-write",
                                 initializer=lower_this_thread if self.background else None) as pool:
-            futures = [pool.submit(self._write_file, files[i], i, file_items, on_written)
+            futures = [pool.submit(self._write_file, files[i], file_items, on_written)
                        for i, file_items in enumerate(bins)]
-            for future in futures:
-                written_pieces, written_values = future.result()
-                piece_rows += written_pieces
-                value_rows += written_values
-        return RankWrites(files, WrittenPieces.of(piece_rows), value_rows, any(v.used_pickle for v in values))
+            return [future.result() for future in futures]
+
+    def _write_in_process(self, files: list[str], bins: list[list[_Item]]) -> list[list[list[int]]]:
+        to = self.in_process
+        base = to.buffer.tensor.data_ptr()
+        jobs = []
+        for name, file_items in zip(files, bins):
+            listed: list = []
+            for item in file_items:
+                if item.piece is None:
+                    listed.append(item.value.data)
+                    continue
+                tensor = item.piece.tensor()
+                offset = tensor.data_ptr() - base
+                if not 0 <= offset <= to.buffer.nbytes - item.nbytes or not tensor.is_contiguous():
+                    raise CheckpointError(f"piece {item.piece.index} is not staged in the shared buffer")
+                listed.append((to.buffer.id, offset, item.nbytes))
+            jobs.append((self.location.name(self.generation, name), listed))
+        return to.process.write_files(to.storage, self.chunk, jobs, [to.buffer], to.live, self.abandon,
+                                      f"writing generation {self.generation}", self.location.display)
 
     def commit(self, manifest: Manifest) -> int | None:
         """Make the generation visible (shard table, manifest, then the commit marker), then remove
@@ -83,32 +141,20 @@ class GenerationWriter:
         """Remove what was written of this generation (never a committed one), best effort."""
         self.location.discard(self.generation)
 
-    def _write_file(self, name: str, file_index: int, items: list[_Item],
-                    on_written: Callable[[int], None] | None) -> tuple[list[PieceRecord], list[ValueRecord]]:
-        pieces: list[PieceRecord] = []
-        values: list[ValueRecord] = []
+    def _write_file(self, name: str, items: list[_Item], on_written: Callable[[int], None] | None) -> list[list[int]]:
+        """Write one data file; each item's chunk checksums, in order."""
+        crcs: list[list[int]] = []
         chunk = self.chunk
 
         def stream() -> Iterator[memoryview]:
-            offset = 0
             for item in items:
                 if self.abandon is not None and self.abandon.is_set():
                     raise SaveAbandonedError(f"the save of generation {self.generation} was abandoned "
                                              f"before {name} was complete", path=self.location.display)
-                if item.piece is not None:
-                    write = item.piece
-                    data = byte_view(host_contiguous(_produced(write)))
-                    part = write.part
-                    pieces.append(PieceRecord(write.index, part.offsets if part else None,
-                                              part.lengths if part else None, file_index, offset, data.nbytes,
-                                              chunk_crcs(data, chunk)))
-                else:
-                    value = item.value
-                    data = memoryview(value.data)
-                    values.append(ValueRecord(value.name, file_index, offset, data.nbytes, value.tree_nbytes,
-                                              chunk_crcs(data, chunk), list(value.ranks) if value.ranks else None))
+                data = byte_view(host_contiguous(_produced(item.piece))) if item.piece is not None \
+                    else memoryview(item.value.data)
+                crcs.append(chunk_crcs(data, chunk))
                 yield data
-                offset += data.nbytes
                 if on_written is not None and item.piece is not None:
                     on_written(data.nbytes)
                 del data  # a produced piece is released before the next one is made
@@ -117,7 +163,7 @@ class GenerationWriter:
             self.location.storage.write_file(self.location.name(self.generation, name), stream())
         except OSError as exc:
             raise StorageError(f"writing {name} failed: {exc}", path=self.location.display) from exc
-        return pieces, values
+        return crcs
 
 
 def _serialized(callback: Callable[[int], None]) -> Callable[[int], None]:

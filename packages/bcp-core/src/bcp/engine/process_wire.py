@@ -1,0 +1,49 @@
+"""Messages between the training process and its writer process over their private socket pair:
+a pickled tuple (both ends are bcp's own code; nothing read from a checkpoint travels here), with
+file descriptors (shared memory) passed alongside. Light imports only: the writer process starts
+with them alone."""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+from typing import Any
+
+_HEADER = struct.Struct("<QI")  # payload bytes, descriptors passed with the header
+MAX_FDS = 64
+
+
+class PeerGone(EOFError):
+    """The other end closed the socket (its process exited)."""
+
+
+def send(sock: socket.socket, message: tuple, fds: list[int] = ()) -> None:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    header = _HEADER.pack(len(payload), len(fds))
+    if fds:
+        socket.send_fds(sock, [header], list(fds))
+    else:
+        sock.sendall(header)
+    sock.sendall(payload)
+
+
+def receive(sock: socket.socket) -> tuple[Any, list[int]]:
+    """The next message and the descriptors that came with it; :class:`PeerGone` at the end."""
+    header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
+    if not header:
+        raise PeerGone("the other process closed its end")
+    header += _exactly(sock, _HEADER.size - len(header))
+    size, _ = _HEADER.unpack(header)
+    return pickle.loads(_exactly(sock, size)), fds
+
+
+def _exactly(sock: socket.socket, nbytes: int) -> bytes:
+    buffer = bytearray(nbytes)
+    view, got = memoryview(buffer), 0
+    while got < nbytes:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise PeerGone("the other process closed its end mid-message")
+        got += n
+    return bytes(buffer)

@@ -1,0 +1,53 @@
+"""Host buffers another process can map: anonymous shared memory (``memfd_create``), so the writer
+process (``writer_process``) reads the staged bytes where the training process copied them, with no
+copy between the two and no name in ``/dev/shm`` that a crash could leave behind: the memory goes
+when the last process holding it closes it.
+
+Where an accelerator is present the buffer is also registered with the CUDA driver (page-locked),
+as torch's own pinned memory is, so device-to-host copies into it run at the bus's speed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import weakref
+
+import torch
+
+from bcp.engine.device_copies import register_pinned, unregister_pinned
+
+_ids = itertools.count(1)
+
+
+def shared_memory_available() -> bool:
+    """Whether this platform can hand memory to another process by descriptor (Linux)."""
+    return hasattr(os, "memfd_create")
+
+
+class SharedHostBuffer:
+    """``nbytes`` of shared memory: ``tensor`` (uint8) in this process, ``fd`` for another one;
+    ``id`` names it to the writer process, which maps each buffer once."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.id = next(_ids)
+        self.nbytes = nbytes
+        self.fd = os.memfd_create(f"bcp-staging-{self.id}", os.MFD_CLOEXEC)
+        self._closer = weakref.finalize(self, os.close, self.fd)  # a buffer dropped unclosed frees its fd
+        os.ftruncate(self.fd, max(1, nbytes))
+        # Mapped by torch, which keeps no descriptor of its own (Python's mmap would hold a duplicate
+        # until its last view is collected); the mapping goes with the last tensor viewing it.
+        self.tensor: torch.Tensor | None = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=nbytes,
+                                                           dtype=torch.uint8)
+        self.pinned = register_pinned(self.tensor)
+
+    def close(self) -> None:
+        """Give the memory back: unmapped here once no tensor views it, and there once the writer
+        process has dropped its mapping too."""
+        if self.fd < 0:
+            return
+        if self.pinned:
+            unregister_pinned(self.tensor)
+        self.tensor = None
+        self._closer()
+        self.fd = -1

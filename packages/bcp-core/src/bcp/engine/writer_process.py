@@ -1,0 +1,146 @@
+"""The writer process of asynchronous saves: one per training process, started with the first save
+that uses it and kept for the next ones. The training process stages the pieces into shared memory
+(``shared_memory``), plans, agrees and commits; the writer process writes the data files and
+computes their checksums (``writer_process_main``), so those run under an interpreter lock of their
+own instead of taking turns with the training thread for the training process's.
+
+It is a fresh interpreter (not a fork: a fork of a process with threads or CUDA state is unsafe),
+started from a few lines that import only bcp's storage layer and checksums, not torch. It is
+stopped by ``close`` (``bcp.shutdown()``, the destruction of the last process group, interpreter
+exit); if the training process dies instead, its socket closes and the writer process ends too.
+A writer process that dies fails the save it was writing (nothing is committed) and the next save
+starts a new one.
+
+Only storages that can be rebuilt in another process serve: those of ``bcp.storage`` that pickle
+(local paths and network file systems, fsspec URLs). ``memory://`` lives in the training process's
+memory, and S3 holds live clients: their saves write from threads in the training process.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any, Sequence
+
+from bcp.engine.process_wire import PeerGone, receive, send
+from bcp.engine.shared_memory import SharedHostBuffer
+from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
+from bcp.storage.memory import MemoryStorage
+
+#: What the new interpreter runs: bcp's package without its ``__init__`` (which imports torch), then
+#: the writer's loop. The script's directory (the current one, for ``-c``) is taken off the path.
+_BOOTSTRAP = ("import sys, types; del sys.path[0]; package = types.ModuleType('bcp'); "
+              "package.__path__ = [sys.argv[2]]; sys.modules['bcp'] = package; "
+              "from bcp.engine.writer_process_main import serve; serve(int(sys.argv[1]), int(sys.argv[3]))")
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: At most this many data files per rank when the writer process writes them (one thread each):
+#: two keep both cores' worth of copying into the page cache off the training thread's core more
+#: often than four, for about the same save time (``benchmarks/async_lane.py``).
+FILES_AT_ONCE = 2
+#: How long ``close`` waits for the writer process to leave before killing it.
+STOP_WAIT_S = 10.0
+#: How often a waiting save looks for an abandon request.
+POLL_S = 0.05
+
+#: A piece to write: (shared buffer id, offset, nbytes); a value: its bytes.
+Item = "tuple[int, int, int] | bytes"
+
+
+def storage_for_process(storage: Any) -> bytes | None:
+    """``storage`` pickled for the writer process, or None where it cannot be rebuilt there."""
+    if isinstance(storage, MemoryStorage) or not type(storage).__module__.startswith("bcp.storage."):
+        return None
+    try:
+        return pickle.dumps(storage, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # live connections, locks: this storage stays in the training process
+        return None
+
+
+class WriterProcess:
+    """A running writer process; ``write_files`` runs one job at a time (the lane's write stage)."""
+
+    def __init__(self, niceness: int) -> None:
+        #: How much nicer than the training process it runs (and at the lowest I/O priority if > 0).
+        self.niceness = niceness
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _BOOTSTRAP, str(theirs.fileno()), _PACKAGE_DIR, str(niceness)],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._sock = ours
+        self._mapped: set[int] = set()  # buffers the writer process has mapped
+        self._lock = threading.Lock()
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def write_files(self, storage: bytes, chunk: int, files: Sequence[tuple[str, list]],
+                    buffers: Sequence[SharedHostBuffer], live: set[int],
+                    abandon: threading.Event | None, what: str, display: str) -> list[list[list[int]]]:
+        """Write ``files`` (storage names and their items, in order) to ``storage``; each item's
+        chunk checksums, per file. ``buffers`` hold the pieces; ``live`` are the ids of every shared
+        buffer still held (the writer process unmaps the others). ``what`` names the job in errors."""
+        new = [b for b in buffers if b.id not in self._mapped]
+        job = {"storage": storage, "chunk": chunk, "files": list(files), "live": sorted(live),
+               "new": [(b.id, b.nbytes) for b in new]}
+        with self._lock:
+            try:
+                send(self._sock, ("write", job), [b.fd for b in new])
+                self._mapped = (self._mapped | {b.id for b in new}) & live
+                reply = self._await_reply(abandon)
+            except (PeerGone, OSError) as exc:
+                raise self._died(what, display) from exc
+        if reply[0] == "done":
+            return reply[1]
+        _, kind, message = reply
+        if kind == "abandoned":
+            raise SaveAbandonedError(f"{what} was abandoned before its files were complete", path=display)
+        if kind == "storage":
+            raise StorageError(f"{what} failed in bcp's writer process: {message}", path=display)
+        raise CheckpointError(f"{what} failed in bcp's writer process:\n{message}", path=display)
+
+    def close(self) -> None:
+        """Stop the writer process (killed if it does not leave within ``STOP_WAIT_S``)."""
+        with self._lock:
+            try:
+                send(self._sock, ("stop",))
+            except OSError:
+                pass  # already gone
+            self._sock.close()
+        try:
+            self._process.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+    def _await_reply(self, abandon: threading.Event | None) -> tuple:
+        asked = False
+        while not select.select([self._sock], [], [], POLL_S)[0]:
+            if abandon is not None and abandon.is_set() and not asked:
+                send(self._sock, ("abandon",))
+                asked = True
+        return receive(self._sock)[0]
+
+    def _died(self, what: str, display: str) -> StorageError:
+        try:
+            code = self._process.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            code = self._process.wait()
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return StorageError(f"{what} failed: bcp's writer process (pid {self._process.pid}) {how} before its "
+                            "files were complete; the generation is not committed", path=display)

@@ -1,0 +1,141 @@
+"""The writer process's side (``writer_process`` starts it): it maps the training process's staging
+buffers (shared memory), and for each job writes the data files it is given and computes their
+chunk checksums, one thread per file, under its own interpreter lock, so none of that waits for or
+delays the training thread. It answers each job with the checksums, or with why it failed.
+
+It imports no torch and nothing beyond the storage layer and the checksums, to start in a fraction
+of a second. It ends when told to, when its socket closes, or when the training process is gone.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import select
+import socket
+import threading
+import traceback
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, Iterator
+
+from bcp.engine.checksum import chunk_crcs
+from bcp.engine.priority import lower_this_thread
+from bcp.engine.process_wire import PeerGone, receive, send
+
+#: How often the writer looks for an abandon request (or a vanished trainer) while files are written.
+POLL_S = 0.05
+
+
+class _Abandoned(Exception):
+    pass
+
+
+class _Writer:
+    def __init__(self, sock: socket.socket, parent: int) -> None:
+        self.sock = sock
+        self.parent = parent
+        self.maps: dict[int, mmap.mmap] = {}
+        self.storages: dict[bytes, Any] = {}
+        self.pool: ThreadPoolExecutor | None = None
+        self.stop = threading.Event()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                message, fds = receive(self.sock)
+            except PeerGone:
+                return
+            if message[0] == "stop":
+                return
+            if message[0] == "write":
+                send(self.sock, self.job(message[1], fds))
+            # an "abandon" arriving after its job finished has nothing left to stop
+
+    def job(self, job: dict, fds: list[int]) -> tuple:
+        self.stop.clear()
+        try:
+            self.map_buffers(job["new"], fds, job["live"])
+            storage = self.storage(job["storage"])
+            files = job["files"]
+            if self.pool is None or self.pool._max_workers < len(files):
+                if self.pool is not None:
+                    self.pool.shutdown()
+                self.pool = ThreadPoolExecutor(max_workers=max(1, len(files)), thread_name_prefix="bcp-write")
+            futures = [self.pool.submit(self.write_file, storage, name, items, job["chunk"])
+                       for name, items in files]
+            while True:
+                self.watch()  # first at once: an abandon request may have come with the job
+                if not wait(futures, timeout=POLL_S).not_done:
+                    break
+                if any(f.done() and f.exception() is not None for f in futures):
+                    self.stop.set()  # one file failed: the save fails, the others need not finish
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            first = next((e for e in errors if not isinstance(e, _Abandoned)), errors[0] if errors else None)
+            if first is not None:
+                raise first
+            return ("done", [future.result() for future in futures])
+        except _Abandoned:
+            return ("failed", "abandoned", "the save was abandoned before its files were complete")
+        except OSError as exc:
+            return ("failed", "storage", str(exc))
+        except BaseException:
+            return ("failed", "error", traceback.format_exc())
+
+    def watch(self) -> None:
+        """Between polls: an abandon request, or the training process gone, stops the writes."""
+        if os.getppid() != self.parent:
+            self.stop.set()
+        if select.select([self.sock], [], [], 0)[0]:
+            try:
+                message, _ = receive(self.sock)
+            except PeerGone:
+                self.stop.set()
+                return
+            if message[0] in ("abandon", "stop"):
+                self.stop.set()
+
+    def map_buffers(self, new: list[tuple[int, int]], fds: list[int], live: list[int]) -> None:
+        for (buffer_id, nbytes), fd in zip(new, fds):
+            try:
+                self.maps[buffer_id] = mmap.mmap(fd, max(1, nbytes))
+            finally:
+                os.close(fd)
+        for buffer_id in set(self.maps) - set(live):  # the training process gave these back
+            self.maps.pop(buffer_id).close()
+
+    def storage(self, pickled: bytes) -> Any:
+        storage = self.storages.get(pickled)
+        if storage is None:
+            storage = self.storages[pickled] = pickle.loads(pickled)
+        return storage
+
+    def write_file(self, storage: Any, name: str, items: list, chunk: int) -> list[list[int]]:
+        crcs: list[list[int]] = []
+
+        def stream() -> Iterator[memoryview]:
+            for item in items:
+                if self.stop.is_set():
+                    raise _Abandoned()
+                data = memoryview(item) if isinstance(item, bytes) else \
+                    memoryview(self.maps[item[0]])[item[1]: item[1] + item[2]]
+                crcs.append(chunk_crcs(data, chunk))
+                yield data
+                del data  # a view would keep the map from closing
+
+        storage.write_file(name, stream())
+        return crcs
+
+
+def serve(fd: int, niceness: int) -> None:
+    """Run the writer on the socket ``fd`` until told to stop or the training process is gone;
+    ``niceness`` above the training process's, with the lowest best-effort I/O priority (if > 0)."""
+    if niceness > 0:
+        lower_this_thread(niceness)  # threads started later inherit the main thread's priority
+    with socket.socket(fileno=fd) as sock:
+        writer = _Writer(sock, os.getppid())
+        try:
+            writer.serve()
+        finally:
+            if writer.pool is not None:
+                writer.pool.shutdown()

@@ -1,0 +1,134 @@
+"""The writer process of asynchronous saves: it writes what the training process staged in shared
+memory, the values of the call; a writer process that dies fails its save, which commits nothing,
+and the next save starts a new one; abandoning a save stops it; ``bcp.shutdown()`` ends it;
+storages another process cannot reach are written from threads. Each fault here is real: the
+writer process is stopped and killed with signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import bcp
+from bcp.engine.shared_memory import shared_memory_available
+from bcp.integration import runtime
+from process_checks import gone
+
+pytestmark = pytest.mark.skipif(not shared_memory_available(), reason="no shared memory by descriptor here")
+
+
+@pytest.fixture(autouse=True)
+def _released():
+    """Each test leaves no writer process and no staging buffers to the tests after it."""
+    yield
+    bcp.shutdown()
+
+
+def _state(fill: float, tensors: int = 8) -> dict:
+    return {f"t{i}": torch.full((1 << 18,), fill + i) for i in range(tensors)}
+
+
+def _expected(fill: float, tensors: int = 8) -> dict:
+    return _state(fill, tensors)
+
+
+def _loaded(path, generation: int | None = None, tensors: int = 8) -> dict:
+    out = {f"t{i}": torch.empty(1 << 18) for i in range(tensors)}
+    bcp.load(path, {"model": out}, generation=generation)
+    return out
+
+
+def _writer() -> int:
+    """The running writer process's id (a first asynchronous save starts it)."""
+    pid = runtime().background.writer_pid()
+    assert pid is not None and pid != os.getpid()
+    return pid
+
+
+def test_the_writer_process_writes_the_values_of_the_call(tmp_path):
+    state = _state(1.0)
+    bcp.save(tmp_path, {"model": state}, async_save=True).wait()
+    pid = _writer()
+    os.kill(pid, signal.SIGSTOP)  # nothing reaches storage until it runs again
+    try:
+        handle = bcp.save(tmp_path, {"model": state}, async_save=True, io_threads=2)
+        for tensor in state.values():
+            tensor.fill_(-7.0)  # training goes on, changing every tensor the save holds
+        time.sleep(0.5)
+        assert not handle.done()  # the files are the writer process's to write
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    handle.wait()
+    assert _writer() == pid  # kept for the next save
+    loaded = _loaded(tmp_path)
+    assert all(torch.equal(loaded[k], v) for k, v in _expected(1.0).items())
+
+
+def _committed_then_writer_stopped(path) -> int:
+    """Generation 1 committed (fill 1.0); the writer process then stopped (SIGSTOP): its id."""
+    bcp.save(path, {"model": _state(1.0)}, async_save=True).wait()
+    pid = _writer()
+    os.kill(pid, signal.SIGSTOP)
+    return pid
+
+
+def test_a_writer_process_killed_mid_save_fails_it_and_nothing_is_committed(tmp_path):
+    pid = _committed_then_writer_stopped(tmp_path)
+    handle = bcp.save(tmp_path, {"model": _state(2.0)}, async_save=True)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(bcp.StorageError, match=rf"writer process \(pid {pid}\) was killed by signal 9 .*not committed"):
+        handle.wait()
+    assert sorted(os.listdir(tmp_path / "gen-00000002")) == ["CLAIM"]  # its partial files removed
+    loaded = _loaded(tmp_path)  # the previous generation is still the latest
+    assert all(torch.equal(loaded[k], v) for k, v in _expected(1.0).items())
+    bcp.save(tmp_path, {"model": _state(3.0)}, async_save=True).wait()  # a new writer process
+    assert _writer() != pid
+    loaded = _loaded(tmp_path)
+    assert all(torch.equal(loaded[k], v) for k, v in _expected(3.0).items())
+
+
+def test_an_abandoned_save_stops_the_writer_process_and_is_removed(tmp_path):
+    pid = _committed_then_writer_stopped(tmp_path)
+    handle = bcp.save(tmp_path, {"model": _state(2.0, tensors=32)}, async_save=True, io_threads=2)
+    stopper = threading.Thread(target=bcp.shutdown, kwargs={"abandon": True})
+    stopper.start()
+    time.sleep(0.3)  # the abandon request waits in the socket with the job
+    os.kill(pid, signal.SIGCONT)
+    stopper.join(30)
+    with pytest.raises(bcp.SaveAbandonedError):
+        handle.wait()
+    assert gone(pid)  # shutdown ends the writer process
+    assert sorted(os.listdir(tmp_path / "gen-00000002")) == ["CLAIM"]
+    loaded = _loaded(tmp_path)
+    assert all(torch.equal(loaded[k], v) for k, v in _expected(1.0).items())
+
+
+def test_shutdown_ends_the_writer_process_and_a_later_save_starts_another(tmp_path):
+    bcp.save(tmp_path, {"model": _state(1.0)}, async_save=True).wait()
+    pid = _writer()
+    bcp.shutdown()
+    assert gone(pid) and runtime().background.writer_pid() is None
+    bcp.save(tmp_path, {"model": _state(4.0)}, async_save=True).wait()
+    assert _writer() != pid
+
+
+def test_memory_storage_and_the_threads_setting_write_from_threads(tmp_path):
+    bcp.shutdown()  # no writer process left from an earlier test
+    state = _state(5.0)
+    bcp.save("memory://writer-test/ckpt", {"model": state}, async_save=True).wait()
+    bcp.save(tmp_path, {"model": state}, async_save=True, async_writer="threads").wait()
+    assert runtime().background.writer_pid() is None
+    for path in ("memory://writer-test/ckpt", tmp_path):
+        loaded = _loaded(path)
+        assert all(torch.equal(loaded[k], v) for k, v in _expected(5.0).items())
+
+
+def test_an_unknown_writer_setting_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(bcp.CheckpointError, match="async_writer must be 'process' or 'threads', not 'gpu'"):
+        bcp.save(tmp_path, {"model": _state(1.0)}, async_save=True, async_writer="gpu")
+    assert not os.path.exists(tmp_path / "gen-00000001")
