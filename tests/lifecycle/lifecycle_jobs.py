@@ -182,8 +182,20 @@ def cycles_then_count(path: str, cycles: int, use_bcp: bool, settle_s: float) ->
         if use_bcp:
             assert bcp.load(path, state, coordinator=bcp.SingleProcessCoordinator()).generation == 3 * (cycle + 1)
     dist.destroy_process_group()
-    time.sleep(settle_s)  # threads told to stop (bcp's, torch's) finish leaving
-    print(f"left: {resources()[1]} {_thread_names()!r}", flush=True)
+    print(f"left: {_settled(settle_s)[1]} {_thread_names()!r}", flush=True)
+
+
+def _settled(settle_s: float) -> tuple[int, int]:
+    """:func:`resources` once unchanged for ``settle_s`` (threads and sockets told to stop, bcp's and
+    torch's, leave asynchronously; on a busy machine later than a fixed wait), at most 5 such waits."""
+    seen = resources()
+    for _ in range(5):
+        time.sleep(settle_s)
+        now = resources()
+        if now == seen:
+            break
+        seen = now
+    return seen
 
 
 def _thread_names() -> list[str]:

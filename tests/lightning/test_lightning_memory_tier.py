@@ -10,9 +10,11 @@ or both. Resumed on 2 ranks after losing one node, the fit restores the step-8 s
 the surviving node and its peer copies, without the persistent checkpoint (which is deleted). On 1
 rank (the lost node not replaced) it restores the same state from the survivor. With both nodes'
 folders gone it resumes from the persistent step 6. The reference for what a resume must give is
-Lightning's own: the same fit under Lightning's ``DDPStrategy`` with its ``TorchCheckpointIO``,
-saving with ``ModelCheckpoint`` at the same steps and resumed from its step-8 and step-6 files; the
-tier's resumes train with its losses, step for step (mid-epoch: the train loader is stateful).
+the same fit under ``BCPDDPStrategy`` saving with ``ModelCheckpoint`` into checkpoint folders at the
+same steps, resumed from its step-8 and step-6 folders: the tier's resumes train with its losses,
+step for step (mid-epoch: the train loader is stateful, its shuffled order replayed). Lightning's
+own ``DDPStrategy`` run saves at the same steps and restores the same global step; its resumed
+losses differ, as its shuffled loader draws a new order on resume.
 """
 
 from __future__ import annotations
@@ -50,11 +52,18 @@ def fit_lightning(dirpath: str, max_steps: int, resume: str | None = None) -> di
                                          "every": EVERY, "resume": resume or False}}
 
 
+def fit_bcp_files(dirpath: str, max_steps: int, resume: str | None = None) -> dict:
+    """The same fit under ``BCPDDPStrategy`` saving with ``ModelCheckpoint`` into checkpoint folders."""
+    return {"case": "fit_tier", "args": {"strategy": "bcp_ddp", "tier": None, "dirpath": dirpath,
+                                         "max_steps": max_steps, "every": EVERY, "resume": resume or False}}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = str(tmp_path_factory.mktemp("lightning-tier"))
     first = run(2, [fit_tier(tier(root, "run", NODES), STOPPED_AT), fit_lightning(f"{root}/files", STOPPED_AT),
-                    {"case": "tier_error", "args": {"strategy": "ddp", "tier": tier(root, "refused", NODES)}}],
+                    {"case": "tier_error", "args": {"strategy": "ddp", "tier": tier(root, "refused", NODES)}},
+                    fit_bcp_files(f"{root}/bcp-files", STOPPED_AT)],
                 f"{root}/launch-first")
     for copy in ("replaced", "fewer"):
         copy_losing(root, copy, lost=("n1",), persistent=False)
@@ -62,10 +71,15 @@ def runs(tmp_path_factory) -> dict:
     resumed = run(2, [fit_tier(tier(root, "replaced", NODES), TOTAL, resume=True),
                       fit_tier(tier(root, "both_lost", NODES), TOTAL, resume=True),
                       fit_lightning(f"{root}/files-8", TOTAL, resume=f"{root}/files/step={STOPPED_AT}.ckpt"),
-                      fit_lightning(f"{root}/files-6", TOTAL, resume=f"{root}/files/step={PERSISTED_AT}.ckpt")],
+                      fit_lightning(f"{root}/files-6", TOTAL, resume=f"{root}/files/step={PERSISTED_AT}.ckpt"),
+                      fit_bcp_files(f"{root}/bcp-files-8", TOTAL, resume=f"{root}/bcp-files/step={STOPPED_AT}.ckpt"),
+                      fit_bcp_files(f"{root}/bcp-files-6", TOTAL,
+                                    resume=f"{root}/bcp-files/step={PERSISTED_AT}.ckpt")],
                   f"{root}/launch-resumed")
     (fewer,) = run(1, [fit_tier(tier(root, "fewer", NODES[:1]), TOTAL, resume=True)], f"{root}/launch-fewer")[0]
     return {"run": [r[0] for r in first], "lightning": [r[1] for r in first], "refused": [r[2] for r in first],
+            "bcp_files": [r[3] for r in first], "bcp_files_8": [r[4] for r in resumed],
+            "bcp_files_6": [r[5] for r in resumed],
             "replaced": [r[0] for r in resumed],
             "both_lost": [r[1] for r in resumed], "lightning_8": [r[2] for r in resumed],
             "lightning_6": [r[3] for r in resumed], "fewer": fewer}
@@ -79,12 +93,12 @@ def test_saves_go_to_the_tier_every_n_steps(runs):
 
 def test_a_replaced_node_resumes_from_peer_copies_as_lightning_resumes(runs):
     saved = runs["run"][0]["saved"][STOPPED_AT]
-    for rank, lightning in zip(runs["replaced"], runs["lightning_8"]):
+    for rank, lightning, files in zip(runs["replaced"], runs["lightning_8"], runs["bcp_files_8"]):
         assert rank["source"] == "memory", rank["reason"]
         assert rank["restored"]["global_step"] == lightning["restored"]["global_step"] == STOPPED_AT
         assert_bitwise(saved, rank["restored"]["state"])
         assert sorted(rank["losses"]) == list(range(STOPPED_AT + 1, TOTAL + 1))
-        assert rank["losses"] == lightning["losses"]
+        assert rank["losses"] == files["losses"]
 
 
 def test_fewer_ranks_resume_from_the_surviving_node(runs):
@@ -96,11 +110,11 @@ def test_fewer_ranks_resume_from_the_surviving_node(runs):
 
 def test_with_both_nodes_lost_the_fit_resumes_from_the_persistent_copy(runs):
     saved = runs["run"][0]["saved"][PERSISTED_AT]
-    for rank, lightning in zip(runs["both_lost"], runs["lightning_6"]):
+    for rank, files in zip(runs["both_lost"], runs["bcp_files_6"]):
         assert rank["source"] == "persistent", rank["reason"]
         assert rank["restored"]["global_step"] == PERSISTED_AT
         assert_bitwise(saved, rank["restored"]["state"])
-        assert rank["losses"] == lightning["losses"]
+        assert rank["losses"] == files["losses"]
 
 
 def test_lightnings_own_ddp_strategy_is_refused_on_every_rank(runs):
@@ -141,3 +155,4 @@ def test_an_empty_tier_is_a_checkpoint_not_found_error(tmp_path):
     with pytest.raises(bcp.CheckpointNotFoundError):
         BCPCheckpointIO(memory_tier=memory_tier).load_checkpoint(MEMORY_TIER)
     assert not torch.distributed.is_initialized()
+

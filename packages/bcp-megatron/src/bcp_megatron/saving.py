@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from typing import Any
 
 import bcp
 from bcp.integration import DEFAULT_IO_THREADS, as_coordinator
@@ -44,10 +45,13 @@ class BcpSaver:
                         step=self.options.step if self.options.step is not None else iteration_of(checkpoint_dir))
 
 
-def iteration_of(checkpoint_dir: "str | os.PathLike") -> int | None:
+def iteration_of(checkpoint_dir: Any) -> int | None:
     """The training iteration a Megatron-LM checkpoint folder is named after (``iter_0000100``, its
     ``get_checkpoint_name``): the strategy sees no other (the iteration is in the common state,
-    which Megatron writes itself)."""
+    which Megatron writes itself). None for another name, and for a target that is no folder (a
+    ``bcp.MemoryTier``)."""
+    if not isinstance(checkpoint_dir, (str, os.PathLike)):
+        return None
     match = _ITERATION_FOLDER.fullmatch(os.path.basename(os.path.normpath(os.fspath(checkpoint_dir))))
     return int(match.group(1)) if match else None
 
