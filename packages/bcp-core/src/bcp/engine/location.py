@@ -35,6 +35,7 @@ DEFAULT_KEEP_GENERATIONS = 2
 MAX_MARKER_BYTES = 4096
 MAX_MANIFEST_BYTES = 256 << 20
 _GENERATION = re.compile(r"gen-(\d{8})")
+_DATA_FILE = re.compile(rf"{DATA_DIR}/(\d{{5}})-\d{{2}}\.bin")
 _OPEN_TRIES = 3  # a generation removed while being opened is retried on the newest committed one
 
 
@@ -44,6 +45,13 @@ def generation_dir(generation: int) -> str:
 
 def data_file_name(rank: int, index: int) -> str:
     return f"{DATA_DIR}/{rank:05d}-{index:02d}.bin"
+
+
+def writer_of_data_file(name: str) -> int | None:
+    """The rank that wrote the data file ``name`` (as :func:`data_file_name` names it); None for
+    another name."""
+    match = _DATA_FILE.fullmatch(name)
+    return int(match.group(1)) if match else None
 
 
 @dataclass(frozen=True)

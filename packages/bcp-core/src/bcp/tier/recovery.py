@@ -8,12 +8,10 @@ none, the choice says which files, and so which ranks' shards, no live node hold
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
+from bcp.engine.location import writer_of_data_file
 from bcp.tier.local import Held
-
-_DATA_FILE = re.compile(r"data/(\d{5})-\d{2}\.bin")
 
 
 @dataclass(slots=True)
@@ -55,7 +53,7 @@ def choose(every_rank: list[list[Held]], nodes: tuple[str, ...]) -> Choice:
 
 def _describe(missing: list[str]) -> str:
     """The missing files and whose shards they held."""
-    ranks = sorted({int(m.group(1)) for name in missing if (m := _DATA_FILE.fullmatch(name))})
+    ranks = sorted({rank for name in missing if (rank := writer_of_data_file(name)) is not None})
     shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
     whose = f" (the shards saved by rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))})" \
         if ranks else ""
