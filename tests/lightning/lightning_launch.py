@@ -4,16 +4,20 @@
 Lightning's Trainer creates its own process group, so these runs cannot share the session's rank
 pool. Each process gets the variables Lightning reads for processes launched from outside (as a
 cluster scheduler would start them): ``LOCAL_RANK``, ``NODE_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``/``MASTER_PORT``. A job that does not finish in ``TIMEOUT_S`` is killed.
+``MASTER_ADDR``/``MASTER_PORT``. A job that does not finish in ``TIMEOUT_S`` is killed, every
+process of it (the ranks and their dataloader workers) first asked to write its threads' stacks
+into its log; when one rank fails, the others are killed at once rather than left waiting for it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from typing import Any
 
 import torch
@@ -31,23 +35,48 @@ def run(world_size: int, cases: list[dict[str, Any]], workdir: str) -> list[list
         json.dump({"cases": cases, "out": workdir}, f)
     port = _free_port()
     logs = [open(os.path.join(workdir, f"rank-{r}.log"), "w+") for r in range(world_size)]
+    # Each rank leads a process group of its own, with its dataloader workers, so that all of them
+    # can be signalled and killed together.
     procs = [subprocess.Popen([sys.executable, WORKER, spec], env=_env(r, world_size, port), stdout=log,
-                              stderr=subprocess.STDOUT, cwd=workdir) for r, log in enumerate(logs)]
+                              stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True)
+             for r, log in enumerate(logs)]
     try:
-        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-            p.wait()
-        raise AssertionError(f"Lightning job did not finish in {TIMEOUT_S}s:\n{_tails(logs)}") from None
+        codes = _wait(procs)
     finally:
+        for p in procs:
+            _signal_group(p, signal.SIGKILL)
+            p.wait()
         for log in logs:
             log.flush()
+    if codes is None:
+        raise AssertionError(f"Lightning job did not finish in {TIMEOUT_S}s:\n{_tails(logs)}")
     if any(codes):
         raise AssertionError(f"Lightning job failed (exit codes {codes}):\n{_tails(logs)}")
     for log in logs:
         log.close()
     return [torch.load(os.path.join(workdir, f"result-{r}.pt"), weights_only=True) for r in range(world_size)]
+
+
+def _wait(procs: list[subprocess.Popen]) -> list[int | None] | None:
+    """Every rank's exit code once all ended or one failed (the others' then None); None after
+    ``TIMEOUT_S``, when every process has been asked for its stacks (the workers' faulthandler)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(code is not None for code in codes) or any(codes):
+            return codes
+        time.sleep(0.2)
+    for p in procs:
+        _signal_group(p, signal.SIGUSR2)
+    time.sleep(3)  # time to write the stacks
+    return None
+
+
+def _signal_group(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(proc.pid, signum)
+    except ProcessLookupError:
+        pass  # the group has ended
 
 
 def _env(rank: int, world_size: int, port: int) -> dict[str, str]:

@@ -10,8 +10,10 @@ right after one is restored and at the end. Results go to ``result-<rank>.pt``; 
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 from typing import Any
 
@@ -374,7 +376,15 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     rank = int(os.environ["LOCAL_RANK"])
-    results = [CASES[case["case"]](**case["args"]) for case in spec["cases"]]
+    results = []
+    for case in spec["cases"]:
+        # The launcher's request for stacks on a hang (forked dataloader workers keep the handler),
+        # installed again before each case: a Trainer's teardown resets every signal to Python's view
+        # of it, and faulthandler reinstalls a handler it still counts as registered only after
+        # unregistering it.
+        faulthandler.unregister(signal.SIGUSR2)
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
+        results.append(CASES[case["case"]](**case["args"]))
     torch.save(results, os.path.join(spec["out"], f"result-{rank}.pt"))
 
 
