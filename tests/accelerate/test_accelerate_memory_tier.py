@@ -64,6 +64,11 @@ def test_accelerates_files_are_in_the_checkpoint_not_beside_it(saved):
     assert "accelerate_files" in read_manifest(persistent).objects
 
 
+def test_the_generation_records_accelerates_step(saved):
+    root, snapshots = saved
+    assert read_manifest(f"{root}/run/persistent").step == snapshots[0]["step"]
+
+
 def test_a_replaced_node_resumes_from_peer_copies_exactly(ranks, saved):
     root, snapshots = saved
     copy = copy_losing(root, "replaced", lost=("n1",), persistent=False)

@@ -23,6 +23,7 @@ import bcp_megatron
 from megatron_parts import (assemble, assert_bitwise, cpu_megatron_optimizer, distributed_optimizer, gpt,
                             main_pieces, parallel, prime_for_load, restore_steps, scramble, sharded_state)
 from megatron_training import train_step
+from models import read_manifest
 from tier_copies import copy_losing
 
 FULLY_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
@@ -71,6 +72,11 @@ def resume(memory_tier: bcp.MemoryTier, tp: int) -> dict:
 def saved(ranks, tmp_path_factory) -> tuple[str, list]:
     root = str(tmp_path_factory.mktemp("megatron-tier"))
     return root, ranks(4).run(save, tier(f"{root}/run", NODES))
+
+
+def test_the_generation_records_the_states_iteration(saved):
+    root, _ = saved
+    assert read_manifest(f"{root}/run/persistent").step == TRAINED_STEPS
 
 
 def test_a_replaced_node_resumes_bitwise_from_peer_copies(ranks, saved):

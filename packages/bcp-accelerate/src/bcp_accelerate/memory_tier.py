@@ -56,7 +56,7 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: Any = None, safe
     files = _written_files(lambda folder: engine.save_accelerate_files(accelerator, folder, safe_serialization))
     state = engine.state_to_save(accelerator, saved_models, files=None)
     state[FILES] = files
-    bcp.save(tier, state, topology=engine.process_topology(accelerator)).wait()
+    bcp.save(tier, state, topology=engine.process_topology(accelerator), step=accelerator.step).wait()
     accelerator.project_configuration.iteration += 1
     return tier
 
