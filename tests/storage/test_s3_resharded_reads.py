@@ -2,8 +2,8 @@
 scratch memory first), against a real SeaweedFS server: rows saved, columns loaded bitwise; a
 flipped byte among them is still detected and named; a truncated object names its tensor; GETs cut
 inside a segment (its bytes joined from two GETs) load bitwise and a flipped byte at the cut is
-named. And the request shapes behind it: as few GETs as the part size allows, of about even length,
-cut where the reader's segments end when one ends near the even cut."""
+named. And the request shapes behind it: as few GETs as the part size allows, cut where the stored
+object's parts end."""
 
 from __future__ import annotations
 
@@ -138,25 +138,23 @@ def test_gets_cut_inside_segments_load_bitwise_and_a_flipped_byte_at_a_cut_is_na
         load()
 
 
-@pytest.mark.parametrize(("offset", "sizes", "spans"), [
-    (0, [40], [(0, 13), (13, 26), (26, 40)]),  # one large range: as few requests as the limit allows, even
-    (0, [4, 4, 4, 4, 4, 3], [(0, 12), (12, 23)]),  # cut where a size ends near the even cut (11)
-    (10, [6, 7, 5], [(10, 19), (19, 28)]),  # no size ends within 2 of the even cut: cut there
-    (0, [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 3], [(0, 16), (16, 32), (32, 48), (48, 63)]),
-    (0, [5, 0, 5], [(0, 10)]),
-    (0, [0], []),
+@pytest.mark.parametrize(("offset", "nbytes", "spans"), [
+    (0, 40, [(0, 16), (16, 32), (32, 40)]),  # requests of the limit from a multiple of it
+    (3, 40, [(3, 16), (16, 32), (32, 43)]),  # cut at the file's multiples of the limit, not the read's
+    (10, 18, [(10, 16), (16, 28)]),  # two are needed either way: cut where a part ends
+    (15, 2, [(15, 17)]),  # one request across a multiple rather than two
+    (14, 32, [(14, 32), (32, 46)]),  # the short first piece joined to the next: 2 requests, not 3
+    (0, 0, []),
 ])
-def test_requests_are_as_few_as_the_limit_allows_and_end_where_sizes_end_near_even_cuts(offset, sizes, spans):
-    assert request_spans(offset, sizes, 16) == spans
+def test_requests_are_as_few_as_the_limit_allows_and_cut_where_the_files_parts_end(offset, nbytes, spans):
+    assert request_spans(offset, nbytes, 16) == spans
 
 
-def test_a_run_of_sizes_just_under_four_limits_takes_four_requests_not_five():
-    """Requests used to end at the last size that fit under the limit: a 62 MiB run of 3.5 MiB
-    segments (a resharded load's batch) took five GETs, the last a short one; now four."""
+def test_a_run_just_under_four_limits_takes_four_requests_not_five():
+    """Requests used to end where the caller's views ended (the last that fit under the limit): a
+    62 MiB batch of 3.5 MiB segments of a resharded load took five GETs, the last a short one."""
     mib = 1 << 20
-    spans = request_spans(0, [7 * mib // 2] * 17 + [2 * mib], 16 * mib)
-    assert len(spans) == 4
-    assert all(14 * mib <= end - start <= 18 * mib for start, end in spans), spans
+    assert len(request_spans(0, 61 * mib + mib // 2, 16 * mib)) == 4
 
 
 def test_views_are_slices_of_the_parts_and_a_size_across_parts_is_joined():

@@ -140,13 +140,12 @@ class S3Objects(RangeReads):
     def read_range(self, name: str, offset: int, nbytes: int) -> list[Any]:
         """Ranged GETs of about one part each, in parallel, as many at once as the store's request
         cap lets one call hold."""
-        return self._get(name, request_spans(offset, [nbytes], self._part_bytes))
+        return self._get(name, request_spans(offset, nbytes, self._part_bytes))
 
     def read_views(self, name: str, offset: int, sizes: Sequence[int]) -> list[memoryview]:
-        """As :meth:`read_range`, in as few GETs, each ending where a size does when one ends near
-        its even cut: such a view is a slice of one fetched buffer, and only a view across two GETs
-        is joined (a copy)."""
-        return cut_views(self._get(name, request_spans(offset, sizes, self._part_bytes)), sizes,
+        """As :meth:`read_range`, cut into one view per size: a view inside one GET is a slice of its
+        buffer, a view across two GETs is joined (a copy)."""
+        return cut_views(self._get(name, request_spans(offset, sum(sizes), self._part_bytes)), sizes,
                          lambda end: f"{self.root}/{name}: file ends before byte {offset + end}")
 
     def _get(self, name: str, spans: list[tuple[int, int]]) -> list[Any]:
