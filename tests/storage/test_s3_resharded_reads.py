@@ -1,7 +1,9 @@
 """Resharded loads on S3 read the bytes in the buffers the GETs fetched them into (no copy into
 scratch memory first), against a real SeaweedFS server: rows saved, columns loaded bitwise; a
-flipped byte among them is still detected and named; a truncated object names its tensor. And the
-request shapes behind it: GETs of at most a part that end where the reader's segments end."""
+flipped byte among them is still detected and named; a truncated object names its tensor; GETs cut
+inside a segment (its bytes joined from two GETs) load bitwise and a flipped byte at the cut is
+named. And the request shapes behind it: as few GETs as the part size allows, cut where the stored
+object's parts end."""
 
 from __future__ import annotations
 
@@ -81,16 +83,78 @@ def test_a_truncated_object_read_through_the_fetched_buffers_names_its_tensor(s3
     assert view_reads
 
 
-@pytest.mark.parametrize(("offset", "sizes", "spans"), [
-    (0, [40], [(0, 16), (16, 32), (32, 40)]),  # one large range: requests of the limit
-    (0, [4, 4, 4, 4, 4, 3], [(0, 16), (16, 23)]),  # small ones packed, never cut
-    (10, [6, 7, 5], [(10, 23), (23, 28)]),  # a size that would cross the limit starts the next request
-    (10, [20, 5], [(10, 26), (26, 35)]),  # the rest of a large size packed with the next
-    (0, [5, 0, 5], [(0, 10)]),
-    (0, [0], []),
+@pytest.fixture
+def get_spans(monkeypatch) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """Per ``read_views`` call of the test: the file offsets where its sizes end, and its GETs."""
+    calls: list[tuple[list[int], list[tuple[int, int]]]] = []
+    original_views, original_get = S3Objects.read_views, S3Objects._get
+
+    def views(self, name, offset, sizes):
+        calls.append((list(itertools.accumulate(sizes, initial=offset)), []))
+        return original_views(self, name, offset, sizes)
+
+    def get(self, name, spans):
+        if calls:
+            calls[-1][1].extend(spans)
+        return original_get(self, name, spans)
+
+    monkeypatch.setattr(S3Objects, "read_views", views)
+    monkeypatch.setattr(S3Objects, "_get", get)
+    return calls
+
+
+def _cuts_inside_segments(calls) -> list[int]:
+    """File offsets where a GET ended inside a segment of its ``read_views`` call."""
+    return [end for ends, spans in calls for _, end in spans[:-1] if end not in ends]
+
+
+def test_gets_cut_inside_segments_load_bitwise_and_a_flipped_byte_at_a_cut_is_named(s3_url, s3_env, get_spans):
+    """A column range of a matrix of short rows needs bytes of every checksum chunk, so the reader
+    asks for the whole stored tensor in back-to-back 4 MiB segments; with 5 MiB GETs (the smallest
+    part S3 allows) most cuts fall inside a segment, whose bytes are then joined from two GETs. The
+    columns load bitwise, and a byte flipped right at such a cut is detected and its tensor named."""
+    rows, columns, wanted = 4096, 2048, (3, 1500)  # 32 MiB of fp32 rows of 8 KiB
+    matrix = torch.randn(rows, columns, generator=torch.Generator().manual_seed(4))
+    bcp.save(s3_url, {"model": {"m": matrix}})
+    small_gets = S3Storage(s3_url, part_bytes=5 << 20)
+
+    def load() -> torch.Tensor:
+        piece = bcp.TensorShard(torch.zeros(rows, wanted[1] - wanted[0]), (rows, columns), (0, wanted[0]))
+        bcp.load(small_gets, {"model": {"m": [piece]}})
+        return piece.tensor
+
+    loaded = load()
+    assert torch.equal(loaded.view(torch.int32), matrix[:, wanted[0]:wanted[1]].contiguous().view(torch.int32))
+    cuts = _cuts_inside_segments(get_spans)
+    assert cuts, get_spans  # the joined path was taken
+
+    manifest = read_manifest(s3_url)
+    stored = manifest.tensors["model/m"].shards[0].bytes
+    name = f"gen-{manifest.generation:08d}/{manifest.files[stored.file]}"
+    data = bytearray(small_gets.read_bytes(name))
+    data[cuts[0]] ^= 0x01
+    small_gets.write_file(name, [memoryview(data)])
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"checksum mismatch in data/.*'model/m'"):
+        load()
+
+
+@pytest.mark.parametrize(("offset", "nbytes", "spans"), [
+    (0, 40, [(0, 16), (16, 32), (32, 40)]),  # requests of the limit from a multiple of it
+    (3, 40, [(3, 16), (16, 32), (32, 43)]),  # cut at the file's multiples of the limit, not the read's
+    (10, 18, [(10, 16), (16, 28)]),  # two are needed either way: cut where a part ends
+    (15, 2, [(15, 17)]),  # one request across a multiple rather than two
+    (14, 32, [(14, 32), (32, 46)]),  # the short first piece joined to the next: 2 requests, not 3
+    (0, 0, []),
 ])
-def test_requests_end_where_sizes_end_and_hold_at_most_the_limit(offset, sizes, spans):
-    assert request_spans(offset, sizes, 16) == spans
+def test_requests_are_as_few_as_the_limit_allows_and_cut_where_the_files_parts_end(offset, nbytes, spans):
+    assert request_spans(offset, nbytes, 16) == spans
+
+
+def test_a_run_just_under_four_limits_takes_four_requests_not_five():
+    """Requests used to end where the caller's views ended (the last that fit under the limit): a
+    62 MiB batch of 3.5 MiB segments of a resharded load took five GETs, the last a short one."""
+    mib = 1 << 20
+    assert len(request_spans(0, 61 * mib + mib // 2, 16 * mib)) == 4
 
 
 def test_views_are_slices_of_the_parts_and_a_size_across_parts_is_joined():

@@ -84,20 +84,22 @@ def cut_views(parts: Sequence[Buffer], sizes: Sequence[int], short: Callable[[in
     return views
 
 
-def request_spans(offset: int, sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
-    """``(start, end)`` of the requests that fetch the consecutive ``sizes`` from ``offset``: sizes
-    packed together up to ``limit`` bytes per request, each request ending where a size ends; a size
-    larger than ``limit`` alone, in requests of ``limit``."""
-    spans: list[tuple[int, int]] = []
-    start = end = offset
-    for size in sizes:
-        if end > start and end + size - start > limit:
-            spans.append((start, end))
-            start = end
-        end += size
-        while end - start > limit:
-            spans.append((start, start + limit))
-            start += limit
-    if end > start:
-        spans.append((start, end))
-    return spans
+def request_spans(offset: int, nbytes: int, limit: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of the requests that fetch ``nbytes`` from ``offset`` of a file: as few as
+    ``limit`` bytes per request allows, cut at multiples of ``limit`` in the file (where the parts
+    of a multipart upload of ``limit``-byte parts end), a short piece at either end joined to its
+    neighbour while that keeps the count.
+
+    Requests, more than bytes, set the pace of a load from an object store: ending each request
+    where a run of the caller's views ends would add a short one to most runs (a 62 MiB run of
+    3.5 MiB views: 5 GETs instead of 4). Cutting where the stored parts end spares a server that
+    keeps each part apart (SeaweedFS, as chunks) from reading two parts for one GET."""
+    if nbytes <= 0:
+        return []
+    end = offset + nbytes
+    cuts = list(range((offset // limit + 1) * limit, end, limit))
+    count = -(-nbytes // limit)
+    while len(cuts) > count - 1:  # drop the cut that bounds the shorter end piece
+        cuts.pop(0 if cuts[0] - offset <= end - cuts[-1] else -1)
+    bounds = [offset, *cuts, end]
+    return list(zip(bounds, bounds[1:]))

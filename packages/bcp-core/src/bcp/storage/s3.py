@@ -29,7 +29,7 @@ from bcp.storage.s3_connection import MAX_REQUESTS, S3RequestError, S3Settings, 
 from bcp.storage.s3_multipart import MIN_PART_BYTES, MultipartUpload
 
 PART_BYTES = 16 << 20
-"""Multipart part size and the size of one ranged GET; large enough that per-request overhead is
+"""Multipart part size and about the size of one ranged GET (by default); large enough that per-request overhead is
 small, small enough that many parts of one file travel in parallel."""
 
 _STATUS = re.compile(r"status code: (\d{3})")
@@ -46,7 +46,8 @@ class S3Objects(RangeReads):
     (else ``AWS_REGION``/``AWS_DEFAULT_REGION``/the profile's, else ``us-east-1``), ``profile`` (else
     ``AWS_PROFILE``), static keys (else botocore's credential chain), ``ca_bundle`` (else
     ``AWS_CA_BUNDLE``/the profile's), ``addressing_style`` (``"path"`` or ``"virtual"``).
-    ``part_bytes`` is the multipart part size (at least S3's 5 MiB minimum); ``max_requests`` caps
+    ``part_bytes`` is the multipart part size (at least S3's 5 MiB minimum) and about the size of
+    one ranged GET; ``max_requests`` caps
     the requests this process keeps in flight to the store."""
 
     def __init__(self, url: str, *, endpoint_url: str | None = None, region: str | None = None,
@@ -137,14 +138,14 @@ class S3Objects(RangeReads):
             raise
 
     def read_range(self, name: str, offset: int, nbytes: int) -> list[Any]:
-        """Ranged GETs of at most one part each, in parallel, as many at once as the store's request
+        """Ranged GETs of about one part each, in parallel, as many at once as the store's request
         cap lets one call hold."""
-        return self._get(name, request_spans(offset, [nbytes], PART_BYTES))
+        return self._get(name, request_spans(offset, nbytes, self._part_bytes))
 
     def read_views(self, name: str, offset: int, sizes: Sequence[int]) -> list[memoryview]:
-        """As :meth:`read_range`, each GET ending where a size does (up to a part of consecutive sizes
-        per GET), so every view is a slice of one fetched buffer: no byte is copied."""
-        return cut_views(self._get(name, request_spans(offset, sizes, PART_BYTES)), sizes,
+        """As :meth:`read_range`, cut into one view per size: a view inside one GET is a slice of its
+        buffer, a view across two GETs is joined (a copy)."""
+        return cut_views(self._get(name, request_spans(offset, sum(sizes), self._part_bytes)), sizes,
                          lambda end: f"{self.root}/{name}: file ends before byte {offset + end}")
 
     def _get(self, name: str, spans: list[tuple[int, int]]) -> list[Any]:
