@@ -6,8 +6,9 @@ the save time. Interleaved rounds in one fresh process, medians.
     .venv/bin/python benchmarks/async_lane.py                  # 512 MB state, 3 rounds
     .venv/bin/python benchmarks/async_lane.py --size-mb 896 --rounds 5
 
-The candidates: bcp's writer process (fed from shared memory) and bcp's writer threads, each at
-normal and at background priority, and DCP's async_save with its thread and with its process.
+The candidates: bcp's writer process (fed from shared memory), writing by direct I/O or through the
+page cache, with 1, 2 or 4 files at once and at two priorities; bcp's writer threads at normal and
+at background priority; DCP's async_save with its thread and with its process.
 
 Targets: the step rate during the save >= 0.95x the rate alone, and the asynchronous save's call to
 commit <= 1.5x the synchronous save.
@@ -71,19 +72,21 @@ def steps_while(busy: Callable[[], bool], step: Callable[[], None]) -> tuple[flo
 
 
 @contextlib.contextmanager
-def lane_settings(threads_lowered: bool, process_niceness: int, process_files: int) -> Iterator[None]:
+def lane_settings(threads_lowered: bool, process_niceness: int, process_files: int,
+                  direct: bool) -> Iterator[None]:
     """The lane's settings for one candidate: its writer threads' priority, its writer process's
-    priority and how many files that process writes at once."""
+    priority, how many files that process writes at once and whether it writes by direct I/O."""
     lower = writer_module.lower_this_thread
-    niceness, files = priority.WRITER_PROCESS_NICENESS, writer_process.FILES_AT_ONCE
+    before = priority.WRITER_PROCESS_NICENESS, writer_process.FILES_AT_ONCE, writer_process.DIRECT_IO
     if not threads_lowered:
         writer_module.lower_this_thread = lambda: None
-    priority.WRITER_PROCESS_NICENESS, writer_process.FILES_AT_ONCE = process_niceness, process_files
+    priority.WRITER_PROCESS_NICENESS, writer_process.FILES_AT_ONCE, writer_process.DIRECT_IO = \
+        process_niceness, process_files, direct
     try:
         yield
     finally:
         writer_module.lower_this_thread = lower
-        priority.WRITER_PROCESS_NICENESS, writer_process.FILES_AT_ONCE = niceness, files
+        priority.WRITER_PROCESS_NICENESS, writer_process.FILES_AT_ONCE, writer_process.DIRECT_IO = before
 
 
 @dataclasses.dataclass
@@ -96,9 +99,10 @@ class Candidate:
 
 
 def candidates() -> dict[str, Candidate]:
-    def bcp_async(writer: str, files: int, niceness: int) -> Candidate:
+    def bcp_async(writer: str, files: int, niceness: int, direct: bool = True) -> Candidate:
         def settings():
-            return lane_settings(threads_lowered=niceness > 0, process_niceness=niceness, process_files=files)
+            return lane_settings(threads_lowered=niceness > 0, process_niceness=niceness, process_files=files,
+                                 direct=direct)
 
         def prepare(path: str) -> None:
             if writer == "process":  # the lane starts a writer process of the requested priority
@@ -117,12 +121,14 @@ def candidates() -> dict[str, Candidate]:
 
     dcp = DcpAsync(reuse_stager=False)
     return {
-        "bcp, writer process, 2 files, nice +19 (default)": bcp_async("process", 2, 19),
-        "bcp, writer process, 2 files, nice +10": bcp_async("process", 2, 10),
-        "bcp, writer process, 4 files, nice +19": bcp_async("process", 4, 19),
-        "bcp, writer process, 4 files, nice +10": bcp_async("process", 4, 10),
-        "bcp, writer process, 4 files, normal priority": bcp_async("process", 4, 0),
-        "bcp, threads, 4 files, nice +10 (the previous default)": bcp_async("threads", 4, 10),
+        "bcp, writer process, direct I/O, 2 files, nice +19 (default)": bcp_async("process", 2, 19),
+        "bcp, writer process, direct I/O, 2 files, nice +10": bcp_async("process", 2, 10),
+        "bcp, writer process, direct I/O, 4 files, nice +19": bcp_async("process", 4, 19),
+        "bcp, writer process, direct I/O, 1 file, nice +19": bcp_async("process", 1, 19),
+        "bcp, writer process, page cache, 2 files, nice +19 (the previous default)":
+            bcp_async("process", 2, 19, direct=False),
+        "bcp, writer process, page cache, 4 files, nice +10": bcp_async("process", 4, 10, direct=False),
+        "bcp, threads, 4 files, nice +10": bcp_async("threads", 4, 10),
         "bcp, threads, 4 files, normal priority": bcp_async("threads", 4, 0),
         "DCP async_save (thread)": Candidate(lambda path, state: dcp.save_async(path, state)),
         "DCP async_save (process)": Candidate(lambda path, state: dcp.save_async(path, state, process=True)),
@@ -151,7 +157,7 @@ def run(config: dict[str, Any]) -> dict:
     def add(name: str, key: str, value: float) -> None:
         results.setdefault(name, {}).setdefault(key, []).append(value)
 
-    starts = candidates()
+    starts = {name: c for name, c in candidates().items() if not config["only"] or config["only"] in name}
     for rnd in range(-1, config["rounds"]):  # round -1 warms up (buffers, plan cache), untimed
         until = time.perf_counter() + ALONE_S
         rate, times = steps_while(lambda: time.perf_counter() < until, step)
@@ -188,6 +194,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=float, default=512)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default="", help="only the candidates whose name contains this")
     parser.add_argument("--switch-interval", type=float,
                         help="the worker's sys.setswitchinterval (Python's default 0.005 s), to diagnose GIL waits")
     args = parser.parse_args()
@@ -195,7 +202,8 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     try:
         out = launch(run, 1, {"size_bytes": int(args.size_mb * (1 << 20)), "rounds": args.rounds,
-                              "workdir": workdir, "switch_interval": args.switch_interval}, timeout_s=1800)
+                              "workdir": workdir, "switch_interval": args.switch_interval,
+                              "only": args.only}, timeout_s=1800)
     finally:
         disk.remove(workdir)
     results = out["results"]
