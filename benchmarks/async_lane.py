@@ -125,6 +125,7 @@ def candidates() -> dict[str, Candidate]:
         "bcp, writer process, direct I/O, 2 files, nice +10": bcp_async("process", 2, 10),
         "bcp, writer process, direct I/O, 4 files, nice +19": bcp_async("process", 4, 19),
         "bcp, writer process, direct I/O, 1 file, nice +19": bcp_async("process", 1, 19),
+        "bcp, writer process, direct I/O, 2 files, normal priority": bcp_async("process", 2, 0),
         "bcp, writer process, page cache, 2 files, nice +19 (the previous default)":
             bcp_async("process", 2, 19, direct=False),
         "bcp, writer process, page cache, 4 files, nice +10": bcp_async("process", 4, 10, direct=False),

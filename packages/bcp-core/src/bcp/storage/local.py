@@ -45,9 +45,11 @@ class LocalStorage(Storage):
         return os.path.join(self.root, *name.split("/")) if name else self.root
 
     def write_file(self, name: str, chunks: Iterable[memoryview]) -> None:
+        self._write_file(name, chunks, sync_dir=True)
+
+    def _write_file(self, name: str, chunks: Iterable[memoryview], sync_dir: bool) -> None:
         path = self._path(name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = _create(path)
         try:
             _write_chunks(fd, chunks)
             os.fsync(fd)
@@ -56,7 +58,8 @@ class LocalStorage(Storage):
             _unlink_quietly(path)
             raise
         os.close(fd)
-        _fsync_dir(os.path.dirname(path))
+        if sync_dir:
+            _fsync_dir(os.path.dirname(path))
 
     def write_file_direct(self, name: str, chunks: Iterable[memoryview]) -> None:
         """As :meth:`write_file` (same result, fsync'd the same way), but the page-aligned middle of
@@ -67,8 +70,7 @@ class LocalStorage(Storage):
         cache, and so does everything where the file system refuses direct I/O. Meant for callers
         whose memory is laid out as the file (the writer process's shared staging memory)."""
         path = self._path(name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = _create(path)
         direct = _open_direct(path)
         try:
             _write_placed(fd, direct, chunks)
@@ -82,9 +84,10 @@ class LocalStorage(Storage):
 
     def put_if_absent(self, name: str, data: bytes) -> bool:
         path = self._path(name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         temporary = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # unique per writing thread
-        self.write_file(os.path.relpath(temporary, self.root).replace(os.sep, "/"), [memoryview(data)])
+        # Its folder is fsync'd once, below, with the final name in it: the temporary name needs no durability.
+        self._write_file(os.path.relpath(temporary, self.root).replace(os.sep, "/"), [memoryview(data)],
+                         sync_dir=False)
         try:
             os.link(temporary, path)  # link() fails if the target exists: atomic create-if-absent
             return True
@@ -165,6 +168,18 @@ def _write_chunks(fd: int, chunks: Iterable[memoryview]) -> None:
             _write_all(fd, batch)
             batch, pending = [], 0
     _write_all(fd, batch)
+
+
+def _create(path: str) -> int:
+    """Create (or truncate) ``path`` for writing, making its folders only when missing: each call
+    into the kernel costs a background writer a wait for the interpreter lock of a busy training
+    thread, so the common case (the folder exists) makes one."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return os.open(path, flags, 0o644)
 
 
 def _open_direct(path: str) -> int | None:
