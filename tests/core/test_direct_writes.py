@@ -1,7 +1,8 @@
-"""Direct I/O in the writer process of asynchronous saves: each data file is an image of a run of
-the shared staging memory, whose page-aligned bulk the disk reads straight from that memory
-(``LocalStorage.write_file_direct``, ``O_DIRECT``), the rest going through the page cache. The
-files hold the values of the call, bit for bit; a flipped byte is caught on load; a write that
+"""Direct I/O in the writer process of asynchronous saves: each large piece lies in its data file at
+the same place modulo a page as in the shared staging memory, so that the disk reads its aligned
+bulk straight from that memory (``LocalStorage.write_file_direct``, ``O_DIRECT``), the rest going
+through the page cache; small pieces stay back to back in their files (loads read them together).
+The files hold the values of the call, bit for bit; a flipped byte is caught on load; a write that
 fails part way commits nothing and leaves the previous checkpoint loading; where the file system
 refuses direct I/O (ramfs, mounted for real in a private mount namespace) everything goes through
 the page cache with the same result. All on real files; no fault is simulated."""
@@ -24,6 +25,7 @@ import bcp
 from bcp.engine.shared_memory import shared_memory_available
 from bcp.integration import runtime
 from bcp.storage import LocalStorage
+from bcp.storage.local import DIRECT_MIN_BYTES
 from bcp.tools import verify_checkpoint
 from models import read_manifest
 
@@ -137,6 +139,27 @@ def test_an_async_save_by_direct_io_holds_the_values_of_the_call(tmp_path):
     assert _equal(_loaded(tmp_path), _state(seed=2))
     report = verify_checkpoint(tmp_path)
     assert report.ok, report.problems  # no byte after the last stored range, every checksum right
+
+
+def test_small_pieces_stay_back_to_back_beside_the_pieces_placed_for_direct_io(tmp_path):
+    state = {**_state(seed=6), **{f"bias{i}": torch.randn(7 + i) for i in range(40)}}
+    bcp.save(tmp_path, {"model": state}, async_save=True).wait()
+    manifest = read_manifest(tmp_path)
+    by_file: dict[int, list] = {}
+    for name, entry in manifest.tensors.items():
+        for shard in entry.shards:
+            by_file.setdefault(shard.bytes.file, []).append(shard.bytes)
+    small_after_another = 0
+    for ranges in by_file.values():
+        ranges.sort(key=lambda r: r.offset)
+        for before, after in zip(ranges, ranges[1:]):
+            if after.nbytes < DIRECT_MIN_BYTES:  # only a piece placed for direct I/O may have zeros before it
+                assert after.offset == before.offset + before.nbytes
+                small_after_another += 1
+    assert small_after_another >= 30
+    out = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in state.items()}
+    bcp.load(tmp_path, {"model": out})
+    assert _equal(out, {**_state(seed=6), **{k: v for k, v in state.items() if k.startswith("bias")}})
 
 
 def test_a_flipped_byte_in_a_directly_written_file_is_caught(tmp_path):

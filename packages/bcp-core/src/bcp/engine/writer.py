@@ -4,8 +4,8 @@ tensor memory; then the coordinating rank commits the manifest (``Location.commi
 
 An asynchronous save may hand the file writes to the writer process (``writer_process``): its
 pieces are then staged in shared memory, and the writer process writes and checksums them while
-this process only waits for its answer. Each of its files is then an image of a run of the shared
-buffer, padding included, so that the disk can read the bytes straight from it (direct I/O).
+this process only waits for its answer. Each large piece then lies in its file at the same place
+modulo a page as in the shared buffer, so that the disk can read it straight from there (direct I/O).
 
 Pieces may be produced lazily (the tools that stream one checkpoint into another): each writer
 thread asks for one piece's tensor when it reaches it and releases it right after, so memory holds
@@ -28,7 +28,7 @@ from bcp.engine.priority import lower_this_thread
 from bcp.engine.shared_memory import SharedHostBuffer
 from bcp.engine import writer_process
 from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
-from bcp.storage.local import DIRECT_ALIGN
+from bcp.storage.local import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.write_plan import PieceWrite, ValueWrite
 from bcp.layout.write_report import PieceRecord, RankWrites, ValueRecord, WrittenPieces
@@ -80,16 +80,15 @@ class GenerationWriter:
         total = sum(item.nbytes for item in items)
         threads = self.threads if self.in_process is None else min(self.threads, writer_process.FILES_AT_ONCE)
         nfiles = max(1, min(threads, len(items), total // MIN_BYTES_PER_FILE))
+        bins = _balance(items, nfiles)
+        files = [data_file_name(rank, i) for i in range(len(bins))]
         if self.in_process is not None:
-            placed = _staged_files(items, nfiles, self.in_process.buffer)
-            files = [data_file_name(rank, i) for i in range(len(placed))]
+            placed = [_placed_for_direct_io(file_items, self.in_process.buffer) for file_items in bins]
             crcs = self._write_in_process(files, placed)
             if on_written is not None:
                 on_written(sum(item.nbytes for item in items if item.piece is not None))
         else:
-            bins = _balance(items, nfiles)
             placed = [_back_to_back(file_items) for file_items in bins]
-            files = [data_file_name(rank, i) for i in range(len(bins))]
             crcs = self._write_in_threads(files, bins, on_written)
         piece_rows: list[PieceRecord] = []
         value_rows: list[ValueRecord] = []
@@ -117,8 +116,8 @@ class GenerationWriter:
             return [future.result() for future in futures]
 
     def _write_in_process(self, files: list[str], placed: list[list[tuple[_Item, int]]]) -> list[list[list[int]]]:
-        """Each file as the writer process writes it, in order: zero bytes (an int) where the file
-        skips the staging memory's padding, a piece's place in the shared buffer, a value's bytes."""
+        """Each file as the writer process writes it, in order: zero bytes (an int) before a piece
+        placed for direct I/O, a piece's place in the shared buffer, a value's bytes."""
         to = self.in_process
         jobs = []
         for name, file_items in zip(files, placed):
@@ -186,9 +185,9 @@ def _produced(write: PieceWrite) -> torch.Tensor:
     return tensor
 
 
-def _back_to_back(items: list[_Item], offset: int = 0) -> list[tuple[_Item, int]]:
-    """Each item with its offset in a file that holds them one after the other from ``offset``."""
-    placed = []
+def _back_to_back(items: list[_Item]) -> list[tuple[_Item, int]]:
+    """Each item with its offset in a file that holds them one after the other."""
+    placed, offset = [], 0
     for item in items:
         placed.append((item, offset))
         offset += item.nbytes
@@ -203,30 +202,18 @@ def _staged_offset(piece: PieceWrite, buffer: SharedHostBuffer) -> int:
     return offset
 
 
-def _staged_files(items: list[_Item], nfiles: int, buffer: SharedHostBuffer) -> list[list[tuple[_Item, int]]]:
-    """The writer process's files, each item with its offset: runs of consecutive staged pieces,
-    each file an image of its run of the shared buffer (the staging's padding included, as zeros)
-    from the page boundary below its first piece, so that every byte sits at the same place modulo
-    ``DIRECT_ALIGN`` in the file as in memory, which direct I/O needs; the values follow the last
-    file's pieces."""
-    staged = sorted(((_staged_offset(item.piece, buffer), item) for item in items if item.piece is not None),
-                    key=lambda pair: pair[0])
-    share = sum(item.nbytes for _, item in staged) / nfiles
-    files: list[list[tuple[_Item, int]]] = []
-    base, done = 0, 0
-    for offset, item in staged:
-        if not files or (done >= share * len(files) and len(files) < nfiles):
-            files.append([])
-            base = offset - offset % DIRECT_ALIGN
-        files[-1].append((item, offset - base))
-        done += item.nbytes
-    values = [item for item in items if item.piece is None]
-    if values:
-        if not files:
-            files.append([])
-        end = files[-1][-1][1] + files[-1][-1][0].nbytes if files[-1] else 0
-        files[-1].extend(_back_to_back(values, end))
-    return files
+def _placed_for_direct_io(items: list[_Item], buffer: SharedHostBuffer) -> list[tuple[_Item, int]]:
+    """Each item with its offset in a file the writer process writes: one after the other, except
+    that a piece large enough for direct I/O starts at the same place modulo ``DIRECT_ALIGN`` as its
+    staged copy in shared memory (after fewer than ``DIRECT_ALIGN`` zero bytes), as direct I/O needs
+    of memory and file alike. Small pieces stay back to back, for the batched reads of loads."""
+    placed, offset = [], 0
+    for item in items:
+        if item.piece is not None and item.nbytes >= DIRECT_MIN_BYTES:
+            offset += (_staged_offset(item.piece, buffer) - offset) % DIRECT_ALIGN
+        placed.append((item, offset))
+        offset += item.nbytes
+    return placed
 
 
 def _balance(items: list[_Item], nbins: int) -> list[list[_Item]]:

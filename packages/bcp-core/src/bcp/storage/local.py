@@ -19,9 +19,9 @@ _WRITE_BATCH_BYTES = 1 << 20
 #: Direct I/O (``write_file_direct``) writes memory and file ranges aligned to this (a page: a
 #: multiple of every common disk's logical block size, and what shared memory is mapped at).
 DIRECT_ALIGN = 4096
-# A stretch shorter than this goes through the page cache even where it could go direct: a direct
-# write waits for the disk, a small copy into the page cache costs less than that wait.
-_DIRECT_MIN_BYTES = 1 << 20
+#: A stretch shorter than this goes through the page cache even where it could go direct: a direct
+#: write waits for the disk, a small copy into the page cache costs less than that wait.
+DIRECT_MIN_BYTES = 1 << 20
 # One direct write call writes at most this much (Linux caps a write near 2 GiB).
 _DIRECT_MAX_BYTES = 1 << 30
 
@@ -220,7 +220,7 @@ def _direct_stretch(view: memoryview, position: int) -> tuple[int, int]:
     empty where the memory is not aligned alike (or read-only: no address to check)."""
     head = -position % DIRECT_ALIGN
     address = _address(view)
-    if address is None or (address + head) % DIRECT_ALIGN or view.nbytes - head < _DIRECT_MIN_BYTES:
+    if address is None or (address + head) % DIRECT_ALIGN or view.nbytes - head < DIRECT_MIN_BYTES:
         return view.nbytes, 0
     return head, (view.nbytes - head) // DIRECT_ALIGN * DIRECT_ALIGN
 
