@@ -121,6 +121,7 @@ def candidates() -> dict[str, Candidate]:
 
     dcp = DcpAsync(reuse_stager=False)
     return {
+        "no save: 1 s of waiting (the machine's own noise)": Candidate(lambda path, state: _Timer(1.0)),
         "bcp, writer process, direct I/O, 2 files, nice +19 (default)": bcp_async("process", 2, 19),
         "bcp, writer process, direct I/O, 2 files, nice +10": bcp_async("process", 2, 10),
         "bcp, writer process, direct I/O, 4 files, nice +19": bcp_async("process", 4, 19),
@@ -134,6 +135,20 @@ def candidates() -> dict[str, Candidate]:
         "DCP async_save (thread)": Candidate(lambda path, state: dcp.save_async(path, state)),
         "DCP async_save (process)": Candidate(lambda path, state: dcp.save_async(path, state, process=True)),
     }
+
+
+class _Timer:
+    """Done ``seconds`` after it starts: a save that does nothing, to show how much the step rate
+    varies on this machine without one."""
+
+    def __init__(self, seconds: float) -> None:
+        self.until = time.perf_counter() + seconds
+
+    def done(self) -> bool:
+        return time.perf_counter() >= self.until
+
+    def wait(self) -> None:
+        pass
 
 
 def _wait_for_writers(timeout: float = 2.0) -> None:
