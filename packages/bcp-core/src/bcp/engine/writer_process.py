@@ -49,8 +49,9 @@ FILES_AT_ONCE = 2
 DIRECT_IO = True
 #: How long ``close`` waits for the writer process to leave before killing it.
 STOP_WAIT_S = 10.0
-#: How often a waiting save looks for an abandon request.
-POLL_S = 0.05
+#: How often a waiting save looks for an abandon request: each look takes the interpreter lock from
+#: the training thread for a moment.
+POLL_S = 0.2
 
 #: A piece to write: (shared buffer id, offset, nbytes); a value: its bytes; padding: its length.
 Item = "tuple[int, int, int] | bytes | int"
