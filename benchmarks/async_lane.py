@@ -127,8 +127,8 @@ def candidates() -> dict[str, Candidate]:
     dcp = DcpAsync(reuse_stager=False)
     return {
         "no save: 1 s of waiting (the machine's own noise)": Candidate(lambda path, state: _Timer(1.0)),
-        "bcp, writer process, direct I/O, 2 files, nice +19 (default)": bcp_async("process", 2, 19),
-        "bcp, writer process, direct I/O, 2 files, nice +10": bcp_async("process", 2, 10),
+        "bcp, writer process, direct I/O, 2 files, nice +10 (default)": bcp_async("process", 2, 10),
+        "bcp, writer process, direct I/O, 2 files, nice +19": bcp_async("process", 2, 19),
         "bcp, writer process, direct I/O, 4 files, nice +19": bcp_async("process", 4, 19),
         "bcp, writer process, direct I/O, 1 file, nice +19": bcp_async("process", 1, 19),
         "bcp, writer process, direct I/O, 2 files, normal priority": bcp_async("process", 2, 0),
@@ -243,7 +243,7 @@ def main() -> None:
             continue
         rate, seconds = statistics.median(figures["steps/s"]), statistics.median(figures["save s"])
         lost = 1e3 * seconds * (1 - rate / alone)  # the steps not taken during the save, in time
-        print(f"| {name} | {rate:.0f} | {rate / alone:.2f}x | {lost:.0f} | "
+        print(f"| {name} | {rate:.0f} | {rate / alone:.3f}x | {lost:.0f} | "
               f"{statistics.median(figures['p99 step ms']):.1f} | {seconds:.2f} | {seconds / sync:.2f}x |")
 
 

@@ -39,8 +39,8 @@ _BOOTSTRAP = ("import sys, types; del sys.path[0]; package = types.ModuleType('b
               "from bcp.engine.writer_process_main import serve; serve(int(sys.argv[1]), int(sys.argv[3]))")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: At most this many data files per rank when the writer process writes them (one thread each):
-#: two keep both cores' worth of copying into the page cache off the training thread's core more
-#: often than four, for about the same save time (``benchmarks/async_lane.py``).
+#: with direct I/O, one, two and four commit within the noise of each other, and two keep the
+#: files as many as a load reads in parallel well (``benchmarks/async_lane.py``).
 FILES_AT_ONCE = 2
 #: Whether the writer process writes the page-aligned bulk of local files by direct I/O, bypassing
 #: the page cache, where the file system allows it (``LocalStorage.write_file_direct``): the disk
