@@ -39,8 +39,9 @@ _BOOTSTRAP = ("import sys, types; del sys.path[0]; package = types.ModuleType('b
               "from bcp.engine.writer_process_main import serve; serve(int(sys.argv[1]), int(sys.argv[3]))")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: At most this many data files per rank when the writer process writes them (one thread each):
-#: with direct I/O, one, two and four commit within the noise of each other, and two keep the
-#: files as many as a load reads in parallel well (``benchmarks/async_lane.py``).
+#: with direct I/O, one, two and four commit within the noise of each other; one file kept the step
+#: rate about 2% better, but a load streams a rank's files with a thread each, so two stay
+#: (``benchmarks/async_lane.py``).
 FILES_AT_ONCE = 2
 #: Whether the writer process writes the page-aligned bulk of local files by direct I/O, bypassing
 #: the page cache, where the file system allows it (``LocalStorage.write_file_direct``): the disk
