@@ -4,7 +4,8 @@ tensor memory; then the coordinating rank commits the manifest (``Location.commi
 
 An asynchronous save may hand the file writes to the writer process (``writer_process``): its
 pieces are then staged in shared memory, and the writer process writes and checksums them while
-this process only waits for its answer.
+this process only waits for its answer. Each large piece then lies in its file at the same place
+modulo a page as in the shared buffer, so that the disk can read it straight from there (direct I/O).
 
 Pieces may be produced lazily (the tools that stream one checkpoint into another): each writer
 thread asks for one piece's tensor when it reaches it and releases it right after, so memory holds
@@ -27,6 +28,7 @@ from bcp.engine.priority import lower_this_thread
 from bcp.engine.shared_memory import SharedHostBuffer
 from bcp.engine import writer_process
 from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
+from bcp.storage.local import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.write_plan import PieceWrite, ValueWrite
 from bcp.layout.write_report import PieceRecord, RankWrites, ValueRecord, WrittenPieces
@@ -77,19 +79,21 @@ class GenerationWriter:
         items = [_Item(p.nbytes, piece=p) for p in pieces] + [_Item(len(v.data), value=v) for v in values]
         total = sum(item.nbytes for item in items)
         threads = self.threads if self.in_process is None else min(self.threads, writer_process.FILES_AT_ONCE)
-        bins = _balance(items, max(1, min(threads, len(items), total // MIN_BYTES_PER_FILE)))
+        nfiles = max(1, min(threads, len(items), total // MIN_BYTES_PER_FILE))
+        bins = _balance(items, nfiles)
         files = [data_file_name(rank, i) for i in range(len(bins))]
         if self.in_process is not None:
-            crcs = self._write_in_process(files, bins)
+            placed = [_placed_for_direct_io(file_items, self.in_process.buffer) for file_items in bins]
+            crcs = self._write_in_process(files, placed)
             if on_written is not None:
                 on_written(sum(item.nbytes for item in items if item.piece is not None))
         else:
+            placed = [_back_to_back(file_items) for file_items in bins]
             crcs = self._write_in_threads(files, bins, on_written)
         piece_rows: list[PieceRecord] = []
         value_rows: list[ValueRecord] = []
-        for file_index, (file_items, file_crcs) in enumerate(zip(bins, crcs)):
-            offset = 0
-            for item, item_crcs in zip(file_items, file_crcs):
+        for file_index, (file_items, file_crcs) in enumerate(zip(placed, crcs)):
+            for (item, offset), item_crcs in zip(file_items, file_crcs):
                 if item.piece is not None:
                     part = item.piece.part
                     piece_rows.append(PieceRecord(item.piece.index, part.offsets if part else None,
@@ -99,7 +103,6 @@ class GenerationWriter:
                     value = item.value
                     value_rows.append(ValueRecord(value.name, file_index, offset, item.nbytes, value.tree_nbytes,
                                                   item_crcs, list(value.ranks) if value.ranks else None))
-                offset += item.nbytes
         return RankWrites(files, WrittenPieces.of(piece_rows), value_rows, any(v.used_pickle for v in values))
 
     def _write_in_threads(self, files: list[str], bins: list[list[_Item]],
@@ -112,21 +115,20 @@ class GenerationWriter:
                        for i, file_items in enumerate(bins)]
             return [future.result() for future in futures]
 
-    def _write_in_process(self, files: list[str], bins: list[list[_Item]]) -> list[list[list[int]]]:
+    def _write_in_process(self, files: list[str], placed: list[list[tuple[_Item, int]]]) -> list[list[list[int]]]:
+        """Each file as the writer process writes it, in order: zero bytes (an int) before a piece
+        placed for direct I/O, a piece's place in the shared buffer, a value's bytes."""
         to = self.in_process
-        base = to.buffer.tensor.data_ptr()
         jobs = []
-        for name, file_items in zip(files, bins):
+        for name, file_items in zip(files, placed):
             listed: list = []
-            for item in file_items:
-                if item.piece is None:
-                    listed.append(item.value.data)
-                    continue
-                tensor = item.piece.tensor()
-                offset = tensor.data_ptr() - base
-                if not 0 <= offset <= to.buffer.nbytes - item.nbytes or not tensor.is_contiguous():
-                    raise CheckpointError(f"piece {item.piece.index} is not staged in the shared buffer")
-                listed.append((to.buffer.id, offset, item.nbytes))
+            end = 0
+            for item, offset in file_items:
+                if offset > end:
+                    listed.append(offset - end)
+                listed.append((to.buffer.id, _staged_offset(item.piece, to.buffer), item.nbytes)
+                              if item.piece is not None else item.value.data)
+                end = offset + item.nbytes
             jobs.append((self.location.name(self.generation, name), listed))
         return to.process.write_files(to.storage, self.chunk, jobs, [to.buffer], to.live, self.abandon,
                                       f"writing generation {self.generation}", self.location.display)
@@ -181,6 +183,37 @@ def _produced(write: PieceWrite) -> torch.Tensor:
         raise CheckpointError(f"piece {write.index} produced {tensor.numel() * tensor.element_size()} bytes, "
                               f"{write.nbytes} were planned")
     return tensor
+
+
+def _back_to_back(items: list[_Item]) -> list[tuple[_Item, int]]:
+    """Each item with its offset in a file that holds them one after the other."""
+    placed, offset = [], 0
+    for item in items:
+        placed.append((item, offset))
+        offset += item.nbytes
+    return placed
+
+
+def _staged_offset(piece: PieceWrite, buffer: SharedHostBuffer) -> int:
+    tensor = piece.tensor()
+    offset = tensor.data_ptr() - buffer.tensor.data_ptr()
+    if not 0 <= offset <= buffer.nbytes - piece.nbytes or not tensor.is_contiguous():
+        raise CheckpointError(f"piece {piece.index} is not staged in the shared buffer")
+    return offset
+
+
+def _placed_for_direct_io(items: list[_Item], buffer: SharedHostBuffer) -> list[tuple[_Item, int]]:
+    """Each item with its offset in a file the writer process writes: one after the other, except
+    that a piece large enough for direct I/O starts at the same place modulo ``DIRECT_ALIGN`` as its
+    staged copy in shared memory (after fewer than ``DIRECT_ALIGN`` zero bytes), as direct I/O needs
+    of memory and file alike. Small pieces stay back to back, for the batched reads of loads."""
+    placed, offset = [], 0
+    for item in items:
+        if item.piece is not None and item.nbytes >= DIRECT_MIN_BYTES:
+            offset += (_staged_offset(item.piece, buffer) - offset) % DIRECT_ALIGN
+        placed.append((item, offset))
+        offset += item.nbytes
+    return placed
 
 
 def _balance(items: list[_Item], nbins: int) -> list[list[_Item]]:

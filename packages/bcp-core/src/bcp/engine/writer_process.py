@@ -39,16 +39,23 @@ _BOOTSTRAP = ("import sys, types; del sys.path[0]; package = types.ModuleType('b
               "from bcp.engine.writer_process_main import serve; serve(int(sys.argv[1]), int(sys.argv[3]))")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: At most this many data files per rank when the writer process writes them (one thread each):
-#: two keep both cores' worth of copying into the page cache off the training thread's core more
-#: often than four, for about the same save time (``benchmarks/async_lane.py``).
+#: with direct I/O, one, two and four commit within the noise of each other; one file kept the step
+#: rate about 2% better, but a load streams a rank's files with a thread each, so two stay
+#: (``benchmarks/async_lane.py``).
 FILES_AT_ONCE = 2
+#: Whether the writer process writes the page-aligned bulk of local files by direct I/O, bypassing
+#: the page cache, where the file system allows it (``LocalStorage.write_file_direct``): the disk
+#: reads the shared staging memory, and the kernel does not spend the writer's CPU time copying it
+#: into the page cache (``benchmarks/async_lane.py``).
+DIRECT_IO = True
 #: How long ``close`` waits for the writer process to leave before killing it.
 STOP_WAIT_S = 10.0
-#: How often a waiting save looks for an abandon request.
-POLL_S = 0.05
+#: How often a waiting save looks for an abandon request: each look takes the interpreter lock from
+#: the training thread for a moment.
+POLL_S = 0.2
 
-#: A piece to write: (shared buffer id, offset, nbytes); a value: its bytes.
-Item = "tuple[int, int, int] | bytes"
+#: A piece to write: (shared buffer id, offset, nbytes); a value: its bytes; padding: its length.
+Item = "tuple[int, int, int] | bytes | int"
 
 
 def storage_for_process(storage: Any) -> bytes | None:
@@ -91,11 +98,11 @@ class WriterProcess:
     def write_files(self, storage: bytes, chunk: int, files: Sequence[tuple[str, list]],
                     buffers: Sequence[SharedHostBuffer], live: set[int],
                     abandon: threading.Event | None, what: str, display: str) -> list[list[list[int]]]:
-        """Write ``files`` (storage names and their items, in order) to ``storage``; each item's
-        chunk checksums, per file. ``buffers`` hold the pieces; ``live`` are the ids of every shared
+        """Write ``files`` (storage names and their items, in order: see ``writer_process_main``)
+        to ``storage``; each checksummed item's chunk checksums, per file. ``buffers`` hold the pieces; ``live`` are the ids of every shared
         buffer still held (the writer process unmaps the others). ``what`` names the job in errors."""
         new = [b for b in buffers if b.id not in self._mapped]
-        job = {"storage": storage, "chunk": chunk, "files": list(files), "live": sorted(live),
+        job = {"storage": storage, "chunk": chunk, "direct": DIRECT_IO, "files": list(files), "live": sorted(live),
                "new": [(b.id, b.nbytes) for b in new]}
         with self._lock:
             try:

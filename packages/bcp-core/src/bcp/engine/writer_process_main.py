@@ -62,7 +62,7 @@ class _Writer:
                 if self.pool is not None:
                     self.pool.shutdown()
                 self.pool = ThreadPoolExecutor(max_workers=max(1, len(files)), thread_name_prefix="bcp-write")
-            futures = [self.pool.submit(self.write_file, storage, name, items, job["chunk"])
+            futures = [self.pool.submit(self.write_file, storage, name, items, job["chunk"], job["direct"])
                        for name, items in files]
             while True:
                 self.watch()  # first at once: an abandon request may have come with the job
@@ -110,20 +110,27 @@ class _Writer:
             storage = self.storages[pickled] = pickle.loads(pickled)
         return storage
 
-    def write_file(self, storage: Any, name: str, items: list, chunk: int) -> list[list[int]]:
+    def write_file(self, storage: Any, name: str, items: list, chunk: int, direct: bool) -> list[list[int]]:
+        """Write one file: ``items`` in order, each a piece's place in a shared buffer, a value's
+        bytes, or a count of zero bytes (padding, not checksummed); each piece's and value's chunk
+        checksums, in order. With ``direct``, through the storage's direct I/O where it has one."""
         crcs: list[list[int]] = []
 
         def stream() -> Iterator[memoryview]:
             for item in items:
                 if self.stop.is_set():
                     raise _Abandoned()
+                if isinstance(item, int):
+                    yield memoryview(bytes(item))
+                    continue
                 data = memoryview(item) if isinstance(item, bytes) else \
                     memoryview(self.maps[item[0]])[item[1]: item[1] + item[2]]
                 crcs.append(chunk_crcs(data, chunk))
                 yield data
                 del data  # a view would keep the map from closing
 
-        storage.write_file(name, stream())
+        write = getattr(storage, "write_file_direct", None) if direct else None
+        (write or storage.write_file)(name, stream())
         return crcs
 
 
