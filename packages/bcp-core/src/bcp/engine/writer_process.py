@@ -54,8 +54,8 @@ STOP_WAIT_S = 10.0
 #: the training thread for a moment.
 POLL_S = 0.2
 
-#: A piece to write: (shared buffer id, offset, nbytes); a value: its bytes; padding: its length.
-Item = "tuple[int, int, int] | bytes | int"
+# A file's items on the wire: a piece as (shared buffer id, offset, nbytes), a value as its bytes,
+# padding as its length.
 
 
 def storage_for_process(storage: Any) -> bytes | None:
