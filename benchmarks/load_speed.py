@@ -97,8 +97,10 @@ def _repeated_loads(config: dict, state: dict, dest: dict) -> list[int]:
 
 def resharded(config: dict[str, Any]) -> dict:
     """Two layout changes. Shard(0) -> Shard(1): each process needs half of every saved row, and
-    verification reads whole checksum chunks, so each reads all the saved bytes, twice its share.
-    Shard(1) -> Shard(0): each needs a contiguous half of every saved piece, its share."""
+    verification reads whole checksum chunks, so each reads all the saved bytes, twice its share
+    (from a mapping of the files: the second process finds them in the page cache and nothing is
+    copied but its share). Shard(1) -> Shard(0): each needs a contiguous half of every saved piece,
+    its share (and the checksum chunk each half ends in), strided in its destination."""
     record = Record()
     rank, world, mesh = dist.get_rank(), dist.get_world_size(), _mesh()
     group = Group(rank, dist.barrier)

@@ -183,6 +183,18 @@ def test_vectored_read_spans_many_calls_and_buffers(tmp_path, monkeypatch):
         LocalStorage(tmp_path).read_into_many("blob", len(content) - 10, [memoryview(bytearray(n)) for n in (4, 7)])
 
 
+def test_mapped_views_are_the_file_bytes_read_only_and_refuse_a_short_file(tmp_path):
+    content = bytes(range(256)) * 300
+    (tmp_path / "blob").write_bytes(content)
+    sizes = [5, 0, 7000, 1, 4096, 17]
+    views = LocalStorage(tmp_path).read_views("blob", 4097, sizes)  # not on a page boundary
+    assert [bytes(v) for v in views] == [content[4097 + sum(sizes[:i]): 4097 + sum(sizes[:i + 1])]
+                                         for i in range(len(sizes))]
+    assert all(v.readonly for v in views)
+    with pytest.raises(EOFError):
+        LocalStorage(tmp_path).read_views("blob", len(content) - 10, [4, 7])
+
+
 class ThreadRecordingStorage(LocalStorage):
     """Records, per reading thread, the (file, offset) of each data read."""
 

@@ -6,6 +6,8 @@ as one stretch of the file into several buffers. A run is read straight into the
 parts of at most ``READ_PART_BYTES``; when verifying, the partly wanted checksum chunks at its two
 ends go through scratch memory, read whole. Other ops (a strided region of a shard) are read
 through scratch in whole chunks of ``SCRATCH_PART_BYTES`` and their wanted elements copied out.
+"Scratch" is the storage's own buffers where it hands them out (a mapping of a local file, an
+object store's fetched bytes), else per-thread memory the bytes are read into.
 Segments that lie back to back in one file (small tensors are stored so) are batched into one
 vectored read.
 """

@@ -1,7 +1,9 @@
 """Reading: byte ranges of saved shards straight into destination memory where the layouts allow
 it, through a scratch buffer where they do not (``read_segments``), on a few worker threads
 (``read_lanes``), verifying the checksum of every chunk read (``verification``), right after it is
-read, while its bytes are likely still in the CPU cache.
+read, while its bytes are likely still in the CPU cache. A storage that hands out views of its own
+buffers (``ViewReads``: an object store's fetched bytes, a read-only mapping of a local file) stands
+in for the scratch buffer, which saves a copy of every byte a resharded load reads.
 """
 
 from __future__ import annotations
