@@ -226,9 +226,10 @@ def _reading() -> list[str]:
             ("- Resharded loads on one machine: a piece read by both processes is read from the disk once, the "
              "second read hits the page cache, so reading whole pieces (DCP) costs less here than on a shared "
              "file system. Shard(0) -> Shard(1) needs a strided half of every row of every saved piece: each "
-             "process reads, verifies and copies every byte (short runs inside every checksum chunk), so two "
-             "processes do twice the floor's CPU work on two cores. Shard(1) -> Shard(0) needs a contiguous "
-             "run of each saved piece that is strided in the destination (read through scratch, trimmed to "
+             "process verifies every saved byte (its wanted half-rows lie inside every checksum chunk) and "
+             "copies its half out, from a read-only mapping of the files, so two processes do about twice "
+             "the floor's CPU work on two cores. Shard(1) -> Shard(0) needs a contiguous run of each saved "
+             "piece that is strided in the destination (verified and copied out of the mapping, trimmed to "
              "the 1 MiB chunks it touches); 2 -> 1 reads each saved piece straight into its part of the "
              "destination."),
             ("- `bcp, read_once=True` (DP-replicated load): each byte is read from storage by one process and "

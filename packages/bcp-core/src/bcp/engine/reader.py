@@ -119,9 +119,9 @@ class ShardReader:
             return progress.left == 0
 
     def _fetched(self, batch: list[Segment]) -> list[memoryview] | None:
-        """A batch of scratch segments as views of the buffers the storage fetched them into, where it
-        hands those out (object stores: a resharded load verifies and copies out of the fetched
-        bytes); None to read into scratch (local files are read straight into it)."""
+        """A batch of scratch segments as views of the storage's own buffers, where it hands those out
+        (an object store's fetched bytes; a read-only mapping of a local file): a resharded load
+        verifies and copies out of them; None to read into scratch."""
         storage = self.location.storage
         if not isinstance(storage, ViewReads) or any(s.dests is not None for s in batch):
             return None
