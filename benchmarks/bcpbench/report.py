@@ -91,7 +91,8 @@ def _run_facts(run: dict[str, Any]) -> list[str]:
              "`load_state_dict` would do. `bcp, load with verify=False` skips checksum verification (bcp "
              "verifies by default), to show its cost; `bcp, load with transactional=False` reads straight "
              "into the live tensors instead of into staging memory placed once every byte is verified (bcp's "
-             "default, so a failed load leaves the live state as it was), to show the cost of that copy."),
+             "default, so a failed load leaves the live state as it was), to show what staging costs (placing "
+             "exchanges the staging memory with the live storage's where it allows it, else copies)."),
             ("- Columns: `vs floor` = the floor's median time / this median time (1.00x = as fast as the disk, "
              "or as a memcpy for warm loads and async blocking); `vs DCP` = DCP's median time / this one."),
             ("- Planning figures are the `plan` phase of bcp's own per-save stats (`handle.stats.seconds`): the "
@@ -213,9 +214,9 @@ def _planning_scale(figures: dict | None) -> list[str]:
 def _reading() -> list[str]:
     return [("- Loads: compare `bcp` with `bcp, load with verify=False` (same files): the difference is the "
              "crc32c verification of every byte read, which bcp does by default; compare it with `bcp, load "
-             "with transactional=False` for the cost of placing only verified bytes (one more copy of the "
-             "state: about a memcpy row's time); the per-phase table splits loads into metadata, plan, "
-             "read and apply."),
+             "with transactional=False` for the cost of placing only verified bytes (staging memory, then an "
+             "exchange of memory with the live storage, or a copy where the storage does not allow one); the "
+             "per-phase table splits loads into metadata, plan, read and apply."),
             ("- Re-planning: the figure is bcp's whole `plan` phase of a save (the structure comparison and the "
              "agreement on reuse, plus the local and global plans when not cached). Its fixed part, one "
              "exchange between the ranks, dominates at this scale; the part a cache hit skips grows with "
