@@ -13,9 +13,9 @@ from collections.abc import Iterable, Sequence
 
 from bcp.storage.base import Storage
 
-# preadv/writev take at most this many buffers per call (the POSIX minimum is 16; Linux allows 1024)
+# preadv/pwritev take at most this many buffers per call (the POSIX minimum is 16; Linux allows 1024)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16
-# Small buffers are gathered into one writev call up to this many bytes (large ones go alone).
+# Small buffers are gathered into one pwritev call up to this many bytes (large ones go alone).
 _WRITE_BATCH_BYTES = 1 << 20
 #: Direct I/O (``write_file_direct``) writes memory and file ranges aligned to this (a page: a
 #: multiple of every common disk's logical block size, and what shared memory is mapped at).
@@ -51,21 +51,7 @@ class LocalStorage(Storage):
         return os.path.join(self.root, *name.split("/")) if name else self.root
 
     def write_file(self, name: str, chunks: Iterable[memoryview]) -> None:
-        self._write_file(name, chunks, sync_dir=True)
-
-    def _write_file(self, name: str, chunks: Iterable[memoryview], sync_dir: bool) -> None:
-        path = self._path(name)
-        fd = _create(path)
-        try:
-            _write_chunks(fd, chunks)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            _unlink_quietly(path)
-            raise
-        os.close(fd)
-        if sync_dir:
-            _fsync_dir(os.path.dirname(path))
+        self._write_file(name, chunks)
 
     def write_file_direct(self, name: str, chunks: Iterable[memoryview]) -> None:
         """As :meth:`write_file` (same result, fsync'd the same way), but the page-aligned middle of
@@ -75,18 +61,23 @@ class LocalStorage(Storage):
         most of its CPU time. The rest (chunk ends, small or read-only chunks) goes through the page
         cache, and so does everything where the file system refuses direct I/O. Meant for callers
         whose memory is laid out as the file (the writer process's shared staging memory)."""
+        self._write_file(name, chunks, direct=True)
+
+    def _write_file(self, name: str, chunks: Iterable[memoryview], *, direct: bool = False,
+                    sync_dir: bool = True) -> None:
         path = self._path(name)
         fd = _create(path)
-        direct = _open_direct(path)
+        direct_fd = _open_direct(path) if direct else None
         try:
-            _write_placed(fd, direct, chunks)
-            os.fsync(fd)  # the inode's: its data written either way, and its size
+            _write_placed(fd, direct_fd, chunks)
+            os.fsync(fd)  # the inode's: its data, written through either descriptor, and its size
         except BaseException:
-            _close_all(fd, direct)
+            _close_all(fd, direct_fd)
             _unlink_quietly(path)
             raise
-        _close_all(fd, direct)
-        _fsync_dir(os.path.dirname(path))
+        _close_all(fd, direct_fd)
+        if sync_dir:
+            _fsync_dir(os.path.dirname(path))
 
     def put_if_absent(self, name: str, data: bytes) -> bool:
         path = self._path(name)
@@ -194,19 +185,6 @@ def _open_regular(path: str) -> int:
     return fd
 
 
-def _write_chunks(fd: int, chunks: Iterable[memoryview]) -> None:
-    """Small chunks gathered into one writev call, large ones written alone."""
-    batch: list[memoryview] = []
-    pending = 0
-    for chunk in chunks:
-        batch.append(_flat_bytes(chunk))
-        pending += chunk.nbytes
-        if len(batch) == _IOV_MAX or pending >= _WRITE_BATCH_BYTES:
-            _write_all(fd, batch)
-            batch, pending = [], 0
-    _write_all(fd, batch)
-
-
 def _create(path: str) -> int:
     """Create (or truncate) ``path`` for writing, making its folders only when missing: each call
     into the kernel costs a background writer a wait for the interpreter lock of a busy training
@@ -233,7 +211,8 @@ def _open_direct(path: str) -> int | None:
 
 def _write_placed(fd: int, direct: int | None, chunks: Iterable[memoryview]) -> None:
     """Write the chunks one after the other from offset 0: the aligned middles through ``direct``
-    (while it serves), everything else gathered into positional writes through ``fd``."""
+    (while it serves), everything else through ``fd``, small chunks gathered into one positional
+    write, large ones written alone."""
     cached = _PositionalBatch(fd)
     position = 0
     for chunk in chunks:
@@ -338,12 +317,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_all(fd: int, views: list[memoryview]) -> None:
-    views = [v for v in views if v.nbytes]
-    while views:
-        views = _advance(views, os.writev(fd, views[:_IOV_MAX]))
 
 
 def _flat_bytes(view: memoryview) -> memoryview:
