@@ -42,6 +42,8 @@ class _Item:
     nbytes: int
     piece: PieceWrite | None = None
     value: ValueWrite | None = None
+    #: Where the piece lies in the shared buffer, when the writer process writes it.
+    staged: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,16 +81,18 @@ class GenerationWriter:
         items = [_Item(p.nbytes, piece=p) for p in pieces] + [_Item(len(v.data), value=v) for v in values]
         total = sum(item.nbytes for item in items)
         threads = self.threads if self.in_process is None else min(self.threads, writer_process.FILES_AT_ONCE)
-        nfiles = max(1, min(threads, len(items), total // MIN_BYTES_PER_FILE))
-        bins = _balance(items, nfiles)
+        bins = _balance(items, max(1, min(threads, len(items), total // MIN_BYTES_PER_FILE)))
         files = [data_file_name(rank, i) for i in range(len(bins))]
         if self.in_process is not None:
-            placed = [_placed_for_direct_io(file_items, self.in_process.buffer) for file_items in bins]
+            for item in items:
+                if item.piece is not None:
+                    item.staged = _staged_offset(item.piece, self.in_process.buffer)
+        placed = [_placed(file_items) for file_items in bins]
+        if self.in_process is not None:
             crcs = self._write_in_process(files, placed)
             if on_written is not None:
                 on_written(sum(item.nbytes for item in items if item.piece is not None))
         else:
-            placed = [_back_to_back(file_items) for file_items in bins]
             crcs = self._write_in_threads(files, bins, on_written)
         piece_rows: list[PieceRecord] = []
         value_rows: list[ValueRecord] = []
@@ -126,8 +130,7 @@ class GenerationWriter:
             for item, offset in file_items:
                 if offset > end:
                     listed.append(offset - end)
-                listed.append((to.buffer.id, _staged_offset(item.piece, to.buffer), item.nbytes)
-                              if item.piece is not None else item.value.data)
+                listed.append((to.buffer.id, item.staged, item.nbytes) if item.piece is not None else item.value.data)
                 end = offset + item.nbytes
             jobs.append((self.location.name(self.generation, name), listed))
         return to.process.write_files(to.storage, self.chunk, jobs, [to.buffer], to.live, self.abandon,
@@ -185,15 +188,6 @@ def _produced(write: PieceWrite) -> torch.Tensor:
     return tensor
 
 
-def _back_to_back(items: list[_Item]) -> list[tuple[_Item, int]]:
-    """Each item with its offset in a file that holds them one after the other."""
-    placed, offset = [], 0
-    for item in items:
-        placed.append((item, offset))
-        offset += item.nbytes
-    return placed
-
-
 def _staged_offset(piece: PieceWrite, buffer: SharedHostBuffer) -> int:
     tensor = piece.tensor()
     offset = tensor.data_ptr() - buffer.tensor.data_ptr()
@@ -202,15 +196,15 @@ def _staged_offset(piece: PieceWrite, buffer: SharedHostBuffer) -> int:
     return offset
 
 
-def _placed_for_direct_io(items: list[_Item], buffer: SharedHostBuffer) -> list[tuple[_Item, int]]:
-    """Each item with its offset in a file the writer process writes: one after the other, except
-    that a piece large enough for direct I/O starts at the same place modulo ``DIRECT_ALIGN`` as its
-    staged copy in shared memory (after fewer than ``DIRECT_ALIGN`` zero bytes), as direct I/O needs
-    of memory and file alike. Small pieces stay back to back, for the batched reads of loads."""
+def _placed(items: list[_Item]) -> list[tuple[_Item, int]]:
+    """Each item with its offset in its file: one after the other, except that a staged piece large
+    enough for direct I/O starts at the same place modulo ``DIRECT_ALIGN`` as its copy in shared
+    memory (after fewer than ``DIRECT_ALIGN`` zero bytes), as direct I/O needs of memory and file
+    alike. Small pieces stay back to back, for the batched reads of loads."""
     placed, offset = [], 0
     for item in items:
-        if item.piece is not None and item.nbytes >= DIRECT_MIN_BYTES:
-            offset += (_staged_offset(item.piece, buffer) - offset) % DIRECT_ALIGN
+        if item.staged is not None and item.nbytes >= DIRECT_MIN_BYTES:
+            offset += (item.staged - offset) % DIRECT_ALIGN
         placed.append((item, offset))
         offset += item.nbytes
     return placed
