@@ -12,6 +12,8 @@ import threading
 from collections.abc import Iterable, Sequence
 
 from bcp.storage.base import Storage
+from bcp.storage.names import flat_bytes
+from bcp.storage.range_reads import cut_views
 
 # preadv/pwritev take at most this many buffers per call (the POSIX minimum is 16; Linux allows 1024)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16
@@ -98,7 +100,7 @@ class LocalStorage(Storage):
         self.read_into_many(name, offset, [dest])
 
     def read_into_many(self, name: str, offset: int, dests: Sequence[memoryview]) -> None:
-        views = [_flat_bytes(d) for d in dests if d.nbytes]
+        views = [flat_bytes(d) for d in dests if d.nbytes]
         fd = _open_regular(self._path(name))
         try:
             while views:
@@ -134,12 +136,8 @@ class LocalStorage(Storage):
             mapping = mmap.mmap(fd, offset + total - start, prot=mmap.PROT_READ, offset=start)
         finally:
             os.close(fd)  # the mapping keeps the file's pages
-        whole = memoryview(mapping)[offset - start:]
-        views, at = [], 0
-        for size in sizes:
-            views.append(whole[at: at + size])
-            at += size
-        return views
+        return cut_views([memoryview(mapping)[offset - start:]], sizes,
+                         lambda end: f"{name}: file ends before byte {offset + end}")
 
     def read_bytes(self, name: str) -> bytes:
         fd = _open_regular(self._path(name))
@@ -216,7 +214,7 @@ def _write_placed(fd: int, direct: int | None, chunks: Iterable[memoryview]) -> 
     cached = _PositionalBatch(fd)
     position = 0
     for chunk in chunks:
-        view = _flat_bytes(chunk)
+        view = flat_bytes(chunk)
         head, body = _direct_stretch(view, position) if direct is not None else (view.nbytes, 0)
         cached.add(position, view[:head])
         if body:
@@ -317,10 +315,6 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _flat_bytes(view: memoryview) -> memoryview:
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 def _advance(views: list[memoryview], nbytes: int) -> list[memoryview]:
