@@ -194,3 +194,24 @@ def test_a_load_of_another_layout_does_not_hold_the_previous_layouts_buffers(tmp
     assert runtime().load_staging.held_bytes == 3000 * 64 * 4  # the large layout's, for its next load
     bcp.load(tmp_path / "small", {"model": live_small})
     assert torch.equal(live_small["w"], small["w"])
+
+
+def test_a_load_that_stages_nothing_leaves_the_staging_buffers_to_the_next_load(tmp_path):
+    """``transactional=False`` reads straight into the live tensors; the staging buffers the last
+    transactional load left still serve the next one, which touches no fresh memory.
+
+    Guards a past defect: a non-transactional load emptied the pool, so the next transactional
+    load of the same state allocated (and page-faulted) a whole fresh staging set."""
+    saved = {"w": torch.randn(1000, 64)}
+    bcp.save(tmp_path, {"model": saved})
+    live = {"w": torch.zeros(1000, 64)}
+    bcp.load(tmp_path, {"model": live})
+    addresses = {live["w"].data_ptr()}
+    bcp.load(tmp_path, {"model": live}, transactional=False)
+    assert runtime().load_staging.held_bytes == 1000 * 64 * 4
+    for _ in range(2):
+        live["w"].zero_()
+        bcp.load(tmp_path, {"model": live})
+        assert torch.equal(live["w"], saved["w"])
+        addresses.add(live["w"].data_ptr())
+    assert len(addresses) == 2  # the live memory and the one staging buffer, taking turns
