@@ -4,6 +4,7 @@ safetensors and the disk's own floors, on one state, in one run; prints the targ
     .venv/bin/python benchmarks/run.py            # quick: 256 MB state, a few minutes (make bench)
     .venv/bin/python benchmarks/run.py --full     # ~2 GB state, the reference figures (make bench-full)
     .venv/bin/python benchmarks/run.py --size-mb 64 --reps 5 --only single
+    .venv/bin/python benchmarks/run.py --full --only distributed --cases "2 -> 1 case"
 
 Each group of cases runs in fresh processes (1 process; 2 gloo processes; 1 process for memory),
 then ``planning_scale.py`` runs once. The report and the raw results go to
@@ -48,6 +49,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--size-mb", type=float, help="state size, overriding the profile's")
     parser.add_argument("--reps", type=int, help="timed repetitions (at least 5 for the report)")
     parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS), help="groups of cases to run")
+    parser.add_argument("--cases", nargs="+", metavar="LABEL",
+                        help="of the 2-process group, only these groups of cases (e.g. '2 -> 1 case')")
     parser.add_argument("--io-threads", type=int, default=4, help="bcp io_threads and the raw floor's threads")
     parser.add_argument("--dcp-threads", type=int, default=4, help="thread_count of the tuned DCP writer")
     parser.add_argument("--saves", type=int, default=20, help="consecutive async saves of the memory case")
@@ -67,7 +70,7 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="bcp-bench-", dir=args.workdir)
     config = {"size_bytes": size_bytes, "reps": reps, "workdir": workdir, "io_threads": args.io_threads,
               "dcp_threads": args.dcp_threads, "small_tensors": settings["small_tensors"], "small_floats": 256,
-              "fsdp1_bytes": size_bytes, "saves": args.saves}
+              "fsdp1_bytes": size_bytes, "saves": args.saves, "cases": args.cases}
     _check_room(workdir, size_bytes)
     started, load_before, disk_before = time.time(), _load(), free_bytes(workdir)
     try:

@@ -52,14 +52,16 @@ class Entry:
     after_save: Callable[[int], None] | None = None  # gets the repetition (-1: warm-up)
 
 
-def run_rounds(record: Record, entries: list[Entry], save_case: str, workdir: str, reps: int,
+def run_rounds(record: Record, entries: list[Entry], save_case: str | None, workdir: str, reps: int,
                group: Group) -> None:
+    """Every repetition saves and loads with every entry; saves are recorded under ``save_case``
+    (None: not recorded, where the saves only make the files that the loads read)."""
     for rep in range(-1, reps):
         for entry in rotated(entries, max(rep, 0)):
             path = os.path.join(workdir, f"{_slug(entry.name)}-{rep + 1}")
             if entry.save is not None:
                 seconds, _ = timed(functools.partial(entry.save, path), group.barrier)
-                if rep >= 0 and group.is_root:
+                if rep >= 0 and group.is_root and save_case is not None:
                     record.add(save_case, entry.name, seconds)
                 if entry.after_save is not None:
                     entry.after_save(rep)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import bcp
 from bcp.api.runtime import runtime
+from bcp.storage.local import LocalStorage
 
 
 def _flip_a_byte(path, rank: int = 0) -> None:
@@ -159,3 +160,58 @@ def test_repeated_loads_reuse_one_set_of_staging_buffers(tmp_path):
         assert all(torch.equal(live[k], saved[k]) for k in saved)
         assert runtime().load_staging.held_bytes == sum(v.numel() * 4 for v in saved.values())
     assert len(addresses) == 2  # the live memory and one staging buffer, taking turns
+
+
+class _PoolWatch(LocalStorage):
+    """Local files; notes what the load staging pool holds whenever a tensor's bytes are read."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.held_while_reading: list[int] = []
+
+    def read_into_many(self, name, offset, views):
+        self.held_while_reading.append(runtime().load_staging.held_bytes)
+        return super().read_into_many(name, offset, views)
+
+
+def test_a_load_of_another_layout_does_not_hold_the_previous_layouts_buffers(tmp_path):
+    """Host memory of a load is the live state and one set of staging buffers: the buffers a load
+    of another layout cannot reuse are freed once its own are allocated, before it reads.
+
+    Guards a past defect: the pool kept the previous load's buffers until the next load of another
+    layout ended, so that load peaked at a whole staging set more (a 2 GB state loaded after a 1 GB
+    one held 1 GB of idle buffers beside its 2 GB of staging)."""
+    small, large = {"w": torch.randn(1000, 64)}, {"w": torch.randn(3000, 64)}
+    bcp.save(tmp_path / "small", {"model": small})
+    bcp.save(tmp_path / "large", {"model": large})
+    live_small, live_large = {"w": torch.zeros(1000, 64)}, {"w": torch.zeros(3000, 64)}
+    bcp.load(tmp_path / "small", {"model": live_small})
+    assert runtime().load_staging.held_bytes == 1000 * 64 * 4  # kept for the next load
+    watch = _PoolWatch(tmp_path / "large")
+    bcp.load(watch, {"model": live_large})
+    assert torch.equal(live_large["w"], large["w"])
+    assert watch.held_while_reading and set(watch.held_while_reading) == {0}
+    assert runtime().load_staging.held_bytes == 3000 * 64 * 4  # the large layout's, for its next load
+    bcp.load(tmp_path / "small", {"model": live_small})
+    assert torch.equal(live_small["w"], small["w"])
+
+
+def test_a_load_that_stages_nothing_leaves_the_staging_buffers_to_the_next_load(tmp_path):
+    """``transactional=False`` reads straight into the live tensors; the staging buffers the last
+    transactional load left still serve the next one, which touches no fresh memory.
+
+    Guards a past defect: a non-transactional load emptied the pool, so the next transactional
+    load of the same state allocated (and page-faulted) a whole fresh staging set."""
+    saved = {"w": torch.randn(1000, 64)}
+    bcp.save(tmp_path, {"model": saved})
+    live = {"w": torch.zeros(1000, 64)}
+    bcp.load(tmp_path, {"model": live})
+    addresses = {live["w"].data_ptr()}
+    bcp.load(tmp_path, {"model": live}, transactional=False)
+    assert runtime().load_staging.held_bytes == 1000 * 64 * 4
+    for _ in range(2):
+        live["w"].zero_()
+        bcp.load(tmp_path, {"model": live})
+        assert torch.equal(live["w"], saved["w"])
+        addresses.add(live["w"].data_ptr())
+    assert len(addresses) == 2  # the live memory and the one staging buffer, taking turns

@@ -12,7 +12,9 @@ from pinned buffers on bcp's copy stream (``device_copies``).
 
 The buffers are reused by the next load (an exchange hands back the live storage's previous memory,
 of the same size): repeated loads touch no fresh memory and host memory stays flat. The pool keeps
-one load's worth, the last load's, until the runtime is closed.
+one load's worth, the last staged load's, until the runtime is closed. A load of another layout
+frees the buffers it cannot use as soon as its own are allocated, so that it never holds two
+layouts' staging at once; a load that stages nothing leaves them be.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class LoadStagingPool:
             self._free = free
 
     def clear(self) -> None:
+        """Drop the free buffers."""
         with self._lock:
             self._free = {}
 
@@ -108,6 +111,8 @@ class Staging:
                                              pinned=is_accelerator(tensor) and pin_host())
                 self._storages.append(storage)
                 out[i] = _tensor_on(storage, 0, shape, dtype)
+        if requests:  # what is left is another layout's, which this load cannot use
+            self._pool.clear()
         return out
 
     def place(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -130,8 +135,10 @@ class Staging:
         to_device(to_accelerator)
 
     def release(self) -> None:
-        """The buffers (after an exchange, the live tensors' previous memory) serve the next load."""
-        self._pool.keep(self._storages)
+        """The buffers (after an exchange, the live tensors' previous memory) serve the next load; a
+        load that staged nothing (``transactional=False``) leaves the pool's buffers to the next."""
+        if self._storages:
+            self._pool.keep(self._storages)
         self._mirrors, self._storages = [], []
 
     @property
