@@ -3,20 +3,18 @@ scratch memory first), against a real SeaweedFS server: rows saved, columns load
 flipped byte among them is still detected and named; a truncated object names its tensor; GETs cut
 inside a segment (its bytes joined from two GETs) load bitwise and a flipped byte at the cut is
 named. And the request shapes behind it: as few GETs as the part size allows, cut where the stored
-object's parts end; joined bytes go into reused memory, handed out again only once nothing holds it."""
+object's parts end."""
 
 from __future__ import annotations
 
 import itertools
 
 import bcp
-import numpy as np
 import pytest
 import torch
-from bcp.engine.bytes_of import tensor_over
 from bcp.layout.manifest import ByteRange
 from bcp.storage import S3Storage
-from bcp.storage.range_reads import JoinMemory, cut_views, request_spans
+from bcp.storage.range_reads import cut_views, request_spans
 from bcp.storage.s3 import S3Objects
 from models import read_manifest
 
@@ -166,28 +164,3 @@ def test_views_are_slices_of_the_parts_and_a_size_across_parts_is_joined():
     assert views[1].obj is parts[0]  # a slice of the fetched buffer, not a copy
     with pytest.raises(EOFError, match="ends before 14"):
         cut_views(parts, [12, 2], lambda end: f"ends before {end}")
-
-
-def test_joined_views_reuse_memory_only_once_every_view_of_it_is_gone():
-    """Joins used to go into fresh memory, a page fault per 4 KiB on top of the copy, for a quarter
-    of a resharded load's bytes. Reused memory must never be handed out while a view of it, or a
-    tensor the reader made over one, is still alive; and no more than ``keep_bytes`` stays kept."""
-    parts, sizes = [b"abcdef", b"ghijkl"], [4, 4, 4]  # the middle view straddles the two parts
-    memory = JoinMemory(keep_bytes=4)
-    address = lambda view: np.frombuffer(view, dtype=np.uint8).ctypes.data  # noqa: E731
-
-    first = cut_views(parts, sizes, str, memory)
-    held, first_at = tensor_over(first[1]), address(first[1])
-    del first
-    assert memory.held_bytes == 0  # the tensor still reads it
-    second = cut_views(parts, sizes, str, memory)
-    assert bytes(second[1]) == b"efgh" and address(second[1]) != first_at
-    assert bytes(held.numpy()) == b"efgh"
-
-    del held
-    assert memory.held_bytes == 4
-    del second  # a second free buffer would exceed keep_bytes: dropped
-    assert memory.held_bytes == 4
-    third = cut_views(parts, [5, 2, 5], str, memory)  # a smaller join takes the free buffer's front
-    assert bytes(third[1]) == b"fg" and address(third[1]) == first_at and memory.held_bytes == 0
-

@@ -4,13 +4,9 @@ fetched buffers themselves (``read_views``) for a reader that only looks at the 
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol, Union, runtime_checkable
-
-import numpy as np
 
 from bcp.storage.names import flat_bytes, scatter
 
@@ -59,15 +55,10 @@ class RangeReads:
         return cut_views(parts, sizes, lambda end: f"{self.root}/{name}: file ends before byte {offset + end}")
 
 
-def _fresh(nbytes: int) -> memoryview:
-    return memoryview(bytearray(nbytes))
-
-
-def cut_views(parts: Sequence[Buffer], sizes: Sequence[int], short: Callable[[int], str],
-              memory: Callable[[int], memoryview] = _fresh) -> list[memoryview]:
+def cut_views(parts: Sequence[Buffer], sizes: Sequence[int], short: Callable[[int], str]) -> list[memoryview]:
     """Consecutive fetched ``parts`` as one view per size: a slice of its part, or, for a size that
-    straddles parts, their bytes joined (a copy) in ``memory(size)``; ``EOFError(short(end))``
-    where the parts end before byte ``end`` of the sizes."""
+    straddles parts, their bytes joined (a copy); ``EOFError(short(end))`` where the parts end before
+    byte ``end`` of the sizes."""
     pending = deque(flat_bytes(memoryview(p)) for p in parts)
     views: list[memoryview] = []
     end = 0
@@ -79,7 +70,7 @@ def cut_views(parts: Sequence[Buffer], sizes: Sequence[int], short: Callable[[in
             views.append(pending[0][:size])
             pending[0] = pending[0][size:]
             continue
-        joined, filled = memory(size), 0
+        joined, filled = bytearray(size), 0
         while filled < size:
             if not pending:
                 raise EOFError(short(end))
@@ -89,44 +80,8 @@ def cut_views(parts: Sequence[Buffer], sizes: Sequence[int], short: Callable[[in
             filled += step
             if not pending[0].nbytes:
                 pending.popleft()
-        views.append(joined)
+        views.append(memoryview(joined))
     return views
-
-
-class JoinMemory:
-    """Reusable memory for the views :func:`cut_views` joins: a buffer returns to the free set once
-    every view of it (and every tensor made over one) is gone, and serves a later join. Joining into
-    fresh memory instead costs a page fault per 4 KiB on top of the copy: measured as much CPU time
-    again as the copy itself in a resharded load from S3, where a quarter of the bytes are joined.
-    At most ``keep_bytes`` of free buffers are kept."""
-
-    def __init__(self, keep_bytes: int) -> None:
-        self._keep = keep_bytes
-        self._free: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, nbytes: int) -> memoryview:
-        """``nbytes`` of writable memory, a slice of a free buffer at least that large where one is."""
-        with self._lock:
-            fits = [i for i, free in enumerate(self._free) if len(free) >= nbytes]
-            buffer = self._free.pop(min(fits, key=lambda i: len(self._free[i]))) if fits else None
-        if buffer is None:
-            buffer = bytearray(nbytes)
-        # the views hold this array, and the array the buffer: its end is the last view's
-        holder = np.frombuffer(buffer, dtype=np.uint8)
-        weakref.finalize(holder, self._give_back, buffer)
-        return memoryview(holder)[:nbytes]
-
-    def _give_back(self, buffer: bytearray) -> None:
-        with self._lock:
-            if sum(map(len, self._free)) + len(buffer) <= self._keep:
-                self._free.append(buffer)
-
-    @property
-    def held_bytes(self) -> int:
-        """Memory the free buffers hold."""
-        with self._lock:
-            return sum(map(len, self._free))
 
 
 def request_spans(offset: int, nbytes: int, limit: int) -> list[tuple[int, int]]:

@@ -144,10 +144,9 @@ class S3Objects(RangeReads):
 
     def read_views(self, name: str, offset: int, sizes: Sequence[int]) -> list[memoryview]:
         """As :meth:`read_range`, cut into one view per size: a view inside one GET is a slice of its
-        buffer, a view across two GETs is joined (a copy) in the store's reused memory."""
+        buffer, a view across two GETs is joined (a copy)."""
         return cut_views(self._get(name, request_spans(offset, sum(sizes), self._part_bytes)), sizes,
-                         lambda end: f"{self.root}/{name}: file ends before byte {offset + end}",
-                         self.connection.joins)
+                         lambda end: f"{self.root}/{name}: file ends before byte {offset + end}")
 
     def _get(self, name: str, spans: list[tuple[int, int]]) -> list[Any]:
         """One ranged GET per ``(start, end)`` span, each holding one of the store's request slots

@@ -23,7 +23,6 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 from urllib.parse import urlsplit
 
-from bcp.storage.range_reads import JoinMemory
 from bcp.storage.request_slots import RequestSlots
 
 MAX_REQUESTS = 8
@@ -32,9 +31,6 @@ MAX_REQUESTS = 8
 _CREDENTIALS_TTL = timedelta(minutes=5)
 """How long obstore keeps a credential before asking again; botocore refreshes temporary
 credentials 10 to 15 minutes before they expire, so each one handed out outlives this."""
-_JOIN_KEEP_BYTES = 64 << 20
-"""Free memory a store keeps for joining fetched views (:class:`~bcp.storage.range_reads.JoinMemory`):
-a resharded load's reader threads join about 16 MiB each per batch."""
 _TRANSIENT_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"})
 
 
@@ -86,8 +82,8 @@ class S3Settings:
 
 
 class S3Connection:
-    """A bucket's botocore client (``client``), obstore store (``store``), request cap (``slots``),
-    threads for parallel reads (``fetches``) and reused memory for the views they join (``joins``)."""
+    """A bucket's botocore client (``client``), obstore store (``store``), request cap (``slots``) and
+    threads for parallel reads (``fetches``)."""
 
     def __init__(self, bucket: str, settings: S3Settings) -> None:
         import botocore.config
@@ -110,7 +106,6 @@ class S3Connection:
         self.fetches = ThreadPoolExecutor(settings.max_requests, thread_name_prefix="bcp-s3-get")
         """Threads for the ranged GETs of the store's reads, one per request slot: each GET runs on
         its own and waits for one slot, whoever asked for it."""
-        self.joins = JoinMemory(_JOIN_KEEP_BYTES)
         self._session = session
         self.client = session.create_client(
             "s3", region_name=region, endpoint_url=endpoint, verify=self.ca_bundle,
