@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/s3_compare.py                 # ~1 GB of GPT-like fp32 state, 3 reps
     .venv/bin/python benchmarks/s3_compare.py --size-mb 128 --reps 2
     .venv/bin/python benchmarks/s3_compare.py --worlds 2 --max-requests 4 8 16   # the cap, side by side
+    .venv/bin/python benchmarks/s3_compare.py --worlds 2 --reps 9 --cases "bcp load resharded" \
+        "raw load, every process's bytes, half kept"    # one load and its floor (and the saves they read)
 
 For 1 and 2 processes (gloo, the state cut on dim 0 as DTensors when 2): the raw floor, with the client
 bcp uses (obstore) at bcp's request size (16 MiB) and cap on requests in flight (the first
@@ -200,6 +202,11 @@ def cases(config: dict) -> dict:
             f"{base}/{fresh[-1]}", sync_files=False, **w)), writer), next_checkpoint, nothing))
     loads("DCP", lambda targets: dcp.load(targets, storage_reader=FsspecReader(f"{base}/{fresh[-1]}")))
 
+    if config["cases"]:
+        unknown = set(config["cases"]) - {name for name, *_ in case_list}
+        if unknown:
+            raise ValueError(f"no such case: {sorted(unknown)}; the cases are {[name for name, *_ in case_list]}")
+        case_list = [case for case in case_list if _runs(case[0], config["cases"])]
     for _ in range(reps):
         for name, work, before, after in case_list:
             results.setdefault(name, []).extend(_timed(work, 1, before))
@@ -209,18 +216,31 @@ def cases(config: dict) -> dict:
     return {"nbytes": nbytes * world, "times": results}
 
 
+def _family(name: str) -> tuple[str, str]:
+    """Who made a case's checkpoint (raw, bcp or DCP) and with which cap: a load reads the newest save
+    of its family."""
+    return name.split(" ")[0], name.partition(", max_requests=")[2]
+
+
+def _runs(name: str, chosen: list[str]) -> bool:
+    """Whether a case runs when only ``chosen`` were asked for: those, and every save of a family one
+    of them loads from (each round's loads read that round's save)."""
+    return name in chosen or (" save" in name and any(_family(c) == _family(name) for c in chosen))
+
+
 def table(world: int, result: dict) -> str:
     med = {k: statistics.median(v) for k, v in result["times"].items()}
     gb = result["nbytes"] / 1e9
     rows = [f"### {world} process{'es' if world > 1 else ''}, {result['nbytes'] / 1e6:.0f} MB", "",
             "| case | median s | GB/s | vs raw floor | bcp vs this |", "| --- | --- | --- | --- | --- |"]
-    floors = {"save": med["raw save"], "load": med["raw load"],
-              "resharded": med.get("raw load, every process's bytes, half kept", med["raw load"])}
+    floors = {"save": med.get("raw save"), "load": med.get("raw load"),
+              "resharded": med.get("raw load, every process's bytes, half kept", med.get("raw load"))}
     for name, seconds in med.items():
         floor = floors["save" if "save" in name else "resharded" if "resharded" in name else "load"]
-        mine = med["bcp save"] if "save" in name else med["bcp load resharded" if "resharded" in name else "bcp load"]
-        rows.append(f"| {name} | {seconds:.2f} | {gb / seconds:.2f} | {floor / seconds:.2f}x | "
-                    f"{'' if name.startswith('bcp') or name.startswith('raw') else f'{seconds / mine:.2f}x'} |")
+        mine = med.get("bcp save" if "save" in name else "bcp load resharded" if "resharded" in name else "bcp load")
+        against = "" if name.startswith(("bcp", "raw")) or mine is None else f"{seconds / mine:.2f}x"
+        rows.append(f"| {name} | {seconds:.2f} | {gb / seconds:.2f} | "
+                    f"{'' if floor is None else f'{floor / seconds:.2f}x'} | {against} |")
     return "\n".join(rows)
 
 
@@ -232,6 +252,8 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, nargs="+",
                         help="the S3 backend's caps on requests in flight to try (default: its default)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--cases", nargs="+", metavar="NAME",
+                        help="run only these cases (names as in the table) and the saves they load from")
     parser.add_argument("--json", help="where to write the raw timings")
     args = parser.parse_args()
     import s3_test_server as seaweedfs
@@ -242,7 +264,7 @@ def main() -> None:
         server = seaweedfs.start(directory)
         try:
             config = {"size_bytes": int(args.size_mb * (1 << 20)), "reps": args.reps, "io_threads": args.io_threads,
-                      "max_requests": args.max_requests,
+                      "max_requests": args.max_requests, "cases": args.cases,
                       "env": server.env(), "bucket": seaweedfs.BUCKET, "run": uuid.uuid4().hex[:6]}
             results = {w: launch(cases, w, config, timeout_s=3000) for w in args.worlds}
         finally:

@@ -1,7 +1,7 @@
 """Where the S3 backend finds its credentials, against the real SeaweedFS server, with no AWS_* keys
 in the environment: a profile in the shared config and credentials files; temporary credentials with
 a session token issued by the server's STS (AssumeRole), which checks the token on every request;
-a container credentials endpoint; a web identity token exchanged at the server's STS
+a profile's ``credential_process`` (a program that prints them); a container credentials endpoint; a web identity token exchanged at the server's STS
 (AssumeRoleWithWebIdentity, the token signed by an OIDC issuer the test runs); instance metadata
 (an IMDSv2 endpoint the test runs). Large files go part by part, each part retried on its own,
 through the fault proxy, and checkpoints load back."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -84,6 +85,42 @@ def test_a_plain_url_saves_and_loads_with_endpoint_and_keys_from_the_profile(
     bcp.load(s3_url, {"model": fresh})
     for name, value in model.state_dict().items():
         assert torch.equal(value.view(torch.int32), fresh.state_dict()[name].view(torch.int32)), name
+
+
+def test_a_credential_process_alone_signs_a_large_file_part_by_part_through_faults_and_a_load(
+        s3_server, s3_url, storage_log, tmp_path, monkeypatch, no_aws_variables):
+    """A profile whose credentials come from a program (``credential_process``, as SSO helpers and
+    vaults provide them): botocore runs it and both clients sign with what it prints, a session token
+    included, which the server checks on every request."""
+    temporary = s3_server.assume_role()
+    ran = tmp_path / "ran"
+    program = tmp_path / "credentials.py"
+    program.write_text(
+        "import json, pathlib\n"
+        f"pathlib.Path({str(ran)!r}).open('a').write('ran\\n')\n"
+        f"print(json.dumps({{'Version': 1, 'AccessKeyId': {temporary['access_key_id']!r}, "
+        f"'SecretAccessKey': {temporary['secret_access_key']!r}, 'SessionToken': {temporary['session_token']!r}, "
+        "'Expiration': '2099-01-01T00:00:00Z'}))\n")
+    config = tmp_path / "config"
+    config.write_text(f"[profile {PROFILE}]\nregion = us-east-1\n"
+                      f"credential_process = {sys.executable} {program}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_PROFILE", PROFILE)
+
+    storage, _ = write_through_faults(s3_server, s3_url, storage_log, credentials={})  # parts: botocore's client
+    assert storage.inner.connection.credentials().method == "custom-process"
+    data, _ = seven_part_file()
+    assert S3Storage(s3_url, endpoint_url=s3_server.endpoint).read_bytes("shard.bin") == data  # obstore's
+    _save_and_load_bitwise(f"{s3_url}/run", endpoint_url=s3_server.endpoint)
+    assert ran.read_text().count("ran") >= 1
+
+    # the server does check the token the program prints: the same key without it is refused
+    program.write_text(program.read_text().replace(temporary["session_token"], ""))
+    monkeypatch.setenv("AWS_ROLE_SESSION_NAME", "bcp-tokenless")  # a new store connection: the program run anew
+    with pytest.raises(bcp.StorageError, match="InvalidAccessKeyId") as refused:
+        S3Storage(s3_url, endpoint_url=s3_server.endpoint).read_bytes("shard.bin")
+    assert "attempt 1 (permanent error)" in str(refused.value)
 
 
 def test_temporary_credentials_from_a_container_endpoint(s3_server, s3_url, monkeypatch, no_aws_variables):
