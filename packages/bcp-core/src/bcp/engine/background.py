@@ -11,6 +11,7 @@ groups are destroyed, and at interpreter exit (after waiting for its saves, or a
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +22,33 @@ from bcp.engine import priority
 from bcp.engine.writer_process import WriterProcess
 
 
+class AbandonSignal(threading.Event):
+    """An event that a thread blocked in ``select`` can wait for too: once set, it is readable
+    (``fileno``). A save waiting for its writer process so sleeps until the answer or an abandon
+    request, instead of waking on a timer to look for one (each waking takes the interpreter lock
+    from the training thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._readable, self._wake = socket.socketpair()
+        self._setting = threading.Lock()
+
+    def fileno(self) -> int:
+        return self._readable.fileno()
+
+    def set(self) -> None:
+        with self._setting:
+            if not self.is_set():
+                self._wake.send(b"!")  # one byte, read by clear(): readable until then
+            super().set()
+
+    def clear(self) -> None:
+        with self._setting:
+            if self.is_set():
+                self._readable.recv(1)
+            super().clear()
+
+
 class BackgroundLane:
     """Two-stage jobs; each stage's thread is started with the first job."""
 
@@ -29,7 +57,7 @@ class BackgroundLane:
         self._stages: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
         self._pending: list[tuple[Future, str]] = []
         #: Set to abandon every save not yet committed: their writers stop (see GenerationWriter).
-        self.abandon = threading.Event()
+        self.abandon = AbandonSignal()
         self._process: WriterProcess | None = None
 
     def writer_process(self) -> WriterProcess:
