@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import bcp
-from bcp.engine.background import AbandonSignal
+from bcp.engine.abandon_signal import AbandonSignal
 from bcp.engine.shared_memory import shared_memory_available
 from bcp.integration import runtime
 from process_checks import gone
@@ -174,3 +174,7 @@ def test_the_abandon_signal_is_readable_once_set_until_cleared():
     assert select.select([signal_], [], [], 0)[0] == [signal_] and signal_.is_set()
     signal_.clear()
     assert select.select([signal_], [], [], 0)[0] == [] and not signal_.is_set()
+    signal_.close()  # the lane closed: no descriptor held; used again, a new pair tells the same
+    signal_.set()
+    assert select.select([signal_], [], [], 0)[0] == [signal_]
+    signal_.close()

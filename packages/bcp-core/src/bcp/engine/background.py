@@ -11,7 +11,6 @@ groups are destroyed, and at interpreter exit (after waiting for its saves, or a
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,34 +18,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 from bcp.engine import priority
+from bcp.engine.abandon_signal import AbandonSignal
 from bcp.engine.writer_process import WriterProcess
-
-
-class AbandonSignal(threading.Event):
-    """An event that a thread blocked in ``select`` can wait for too: once set, it is readable
-    (``fileno``). A save waiting for its writer process so sleeps until the answer or an abandon
-    request, instead of waking on a timer to look for one (each waking takes the interpreter lock
-    from the training thread)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._readable, self._wake = socket.socketpair()
-        self._setting = threading.Lock()
-
-    def fileno(self) -> int:
-        return self._readable.fileno()
-
-    def set(self) -> None:
-        with self._setting:
-            if not self.is_set():
-                self._wake.send(b"!")  # one byte, read by clear(): readable until then
-            super().set()
-
-    def clear(self) -> None:
-        with self._setting:
-            if self.is_set():
-                self._readable.recv(1)
-            super().clear()
 
 
 class BackgroundLane:
@@ -132,6 +105,7 @@ class BackgroundLane:
             stage.shutdown(wait=True)
         if process is not None:
             process.close()
+        self.abandon.close()
 
 
 def _settle(done: Future, work: Callable[[], Any]) -> None:

@@ -17,10 +17,11 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
+from bcp.engine.abandon_signal import AbandonSignal
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import chunk_crcs
 from bcp.engine.location import Location, data_file_name
@@ -32,9 +33,6 @@ from bcp.storage.local import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.write_plan import PieceWrite, ValueWrite
 from bcp.layout.write_report import PieceRecord, RankWrites, ValueRecord, WrittenPieces
-
-if TYPE_CHECKING:
-    from bcp.engine.background import AbandonSignal
 
 # Below this many bytes per file, another file (and writer thread) costs more than it saves.
 MIN_BYTES_PER_FILE = 32 << 20
@@ -65,7 +63,7 @@ class GenerationWriter:
 
     def __init__(self, location: Location, generation: int, *, threads: int,
                  chunk: int = DEFAULT_CHECKSUM_CHUNK, background: bool = False,
-                 abandon: "AbandonSignal | None" = None, in_process: InProcess | None = None) -> None:
+                 abandon: AbandonSignal | None = None, in_process: InProcess | None = None) -> None:
         self.location = location
         self.generation = generation
         self.threads = threads

@@ -25,15 +25,13 @@ import socket
 import subprocess
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
+from bcp.engine.abandon_signal import AbandonSignal
 from bcp.engine.process_wire import PeerGone, receive, send
 from bcp.engine.shared_memory import SharedHostBuffer
 from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
 from bcp.storage.memory import MemoryStorage
-
-if TYPE_CHECKING:
-    from bcp.engine.background import AbandonSignal
 
 #: What the new interpreter runs: bcp's package without its ``__init__`` (which imports torch), then
 #: the writer's loop. The script's directory (the current one, for ``-c``) is taken off the path.
@@ -97,7 +95,7 @@ class WriterProcess:
 
     def write_files(self, storage: bytes, chunk: int, files: Sequence[tuple[str, list]],
                     buffers: Sequence[SharedHostBuffer], live: set[int],
-                    abandon: "AbandonSignal | None", what: str, display: str) -> list[list[list[int]]]:
+                    abandon: AbandonSignal | None, what: str, display: str) -> list[list[list[int]]]:
         """Write ``files`` (storage names and their items, in order: see ``writer_process_main``)
         to ``storage``; each checksummed item's chunk checksums, per file. ``buffers`` hold the pieces;
         ``live`` are the ids of every shared buffer still held (the writer process unmaps the others).
@@ -135,7 +133,7 @@ class WriterProcess:
             self._process.kill()
             self._process.wait()
 
-    def _await_reply(self, abandon: "AbandonSignal | None") -> tuple:
+    def _await_reply(self, abandon: AbandonSignal | None) -> tuple:
         """Sleeps until the answer comes, or the abandon signal (then asks the writer process to
         stop, and sleeps until its answer): this thread takes the interpreter lock only then."""
         if abandon is not None and select.select([self._sock, abandon], [], [])[0] != [self._sock]:
