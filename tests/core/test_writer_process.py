@@ -7,7 +7,6 @@ writer process is stopped and killed with signals."""
 from __future__ import annotations
 
 import os
-import select
 import signal
 import threading
 import time
@@ -16,7 +15,6 @@ import pytest
 import torch
 
 import bcp
-from bcp.engine.abandon_signal import AbandonSignal
 from bcp.engine.shared_memory import shared_memory_available
 from bcp.integration import runtime
 from process_checks import gone
@@ -134,47 +132,3 @@ def test_an_unknown_writer_setting_is_refused_before_anything_is_written(tmp_pat
     with pytest.raises(bcp.CheckpointError, match="async_writer must be 'process' or 'threads', not 'gpu'"):
         bcp.save(tmp_path, {"model": _state(1.0)}, async_save=True, async_writer="gpu")
     assert not os.path.exists(tmp_path / "gen-00000001")
-
-
-def _wakeups(thread: threading.Thread) -> int:
-    with open(f"/proc/self/task/{thread.native_id}/status") as status:
-        return int(status.read().split("\nvoluntary_ctxt_switches:")[1].split()[0])
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="counts a thread's wakeups in /proc")
-def test_a_save_waiting_for_the_writer_process_sleeps_until_an_abandon_request(tmp_path):
-    """The save's thread in the training process once woke every 0.2 s to look for an abandon
-    request, each time taking the interpreter lock from the training thread. It now sleeps until
-    the writer process answers or the save is abandoned, and an abandon request still wakes it."""
-    pid = _committed_then_writer_stopped(tmp_path)
-    try:
-        handle = bcp.save(tmp_path, {"model": _state(2.0)}, async_save=True)
-        waiting = next(t for t in threading.enumerate() if t.name.startswith("bcp-async-write"))
-        time.sleep(0.2)  # the job is sent: the thread waits for the answer
-        before = _wakeups(waiting)
-        time.sleep(1.5)
-        assert _wakeups(waiting) - before <= 1  # it slept (a timer of 0.2 s would have woken it 7 times)
-        stopper = threading.Thread(target=bcp.shutdown, kwargs={"abandon": True})
-        stopper.start()
-        time.sleep(0.3)
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    stopper.join(30)
-    with pytest.raises(bcp.SaveAbandonedError):
-        handle.wait()
-    assert sorted(os.listdir(tmp_path / "gen-00000002")) == ["CLAIM"]
-
-
-def test_the_abandon_signal_is_readable_once_set_until_cleared():
-    """What the waiting save selects on: nothing to read until the signal is set."""
-    signal_ = AbandonSignal()
-    assert select.select([signal_], [], [], 0)[0] == [] and not signal_.is_set()
-    signal_.set()
-    signal_.set()
-    assert select.select([signal_], [], [], 0)[0] == [signal_] and signal_.is_set()
-    signal_.clear()
-    assert select.select([signal_], [], [], 0)[0] == [] and not signal_.is_set()
-    signal_.close()  # the lane closed: no descriptor held; used again, a new pair tells the same
-    signal_.set()
-    assert select.select([signal_], [], [], 0)[0] == [signal_]
-    signal_.close()

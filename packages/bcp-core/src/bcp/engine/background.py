@@ -18,7 +18,6 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 from bcp.engine import priority
-from bcp.engine.abandon_signal import AbandonSignal
 from bcp.engine.writer_process import WriterProcess
 
 
@@ -30,7 +29,7 @@ class BackgroundLane:
         self._stages: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
         self._pending: list[tuple[Future, str]] = []
         #: Set to abandon every save not yet committed: their writers stop (see GenerationWriter).
-        self.abandon = AbandonSignal()
+        self.abandon = threading.Event()
         self._process: WriterProcess | None = None
 
     def writer_process(self) -> WriterProcess:
@@ -105,7 +104,6 @@ class BackgroundLane:
             stage.shutdown(wait=True)
         if process is not None:
             process.close()
-        self.abandon.close()
 
 
 def _settle(done: Future, work: Callable[[], Any]) -> None:

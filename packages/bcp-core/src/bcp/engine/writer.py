@@ -21,7 +21,6 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from bcp.engine.abandon_signal import AbandonSignal
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import chunk_crcs
 from bcp.engine.location import Location, data_file_name
@@ -63,7 +62,7 @@ class GenerationWriter:
 
     def __init__(self, location: Location, generation: int, *, threads: int,
                  chunk: int = DEFAULT_CHECKSUM_CHUNK, background: bool = False,
-                 abandon: AbandonSignal | None = None, in_process: InProcess | None = None) -> None:
+                 abandon: threading.Event | None = None, in_process: InProcess | None = None) -> None:
         self.location = location
         self.generation = generation
         self.threads = threads

@@ -27,7 +27,6 @@ import sys
 import threading
 from typing import Any, Sequence
 
-from bcp.engine.abandon_signal import AbandonSignal
 from bcp.engine.process_wire import PeerGone, receive, send
 from bcp.engine.shared_memory import SharedHostBuffer
 from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
@@ -51,6 +50,9 @@ FILES_AT_ONCE = 2
 DIRECT_IO = True
 #: How long ``close`` waits for the writer process to leave before killing it.
 STOP_WAIT_S = 10.0
+#: How often a waiting save looks for an abandon request: each look takes the interpreter lock from
+#: the training thread for a moment.
+POLL_S = 0.2
 
 # A file's items on the wire: a piece as (shared buffer id, offset, nbytes), a value as its bytes,
 # padding as its length.
@@ -95,11 +97,10 @@ class WriterProcess:
 
     def write_files(self, storage: bytes, chunk: int, files: Sequence[tuple[str, list]],
                     buffers: Sequence[SharedHostBuffer], live: set[int],
-                    abandon: AbandonSignal | None, what: str, display: str) -> list[list[list[int]]]:
+                    abandon: threading.Event | None, what: str, display: str) -> list[list[list[int]]]:
         """Write ``files`` (storage names and their items, in order: see ``writer_process_main``)
-        to ``storage``; each checksummed item's chunk checksums, per file. ``buffers`` hold the pieces;
-        ``live`` are the ids of every shared buffer still held (the writer process unmaps the others).
-        ``abandon``, once set, asks the writer process to stop. ``what`` names the job in errors."""
+        to ``storage``; each checksummed item's chunk checksums, per file. ``buffers`` hold the pieces; ``live`` are the ids of every shared
+        buffer still held (the writer process unmaps the others). ``what`` names the job in errors."""
         new = [b for b in buffers if b.id not in self._mapped]
         job = {"storage": storage, "chunk": chunk, "direct": DIRECT_IO, "files": list(files), "live": sorted(live),
                "new": [(b.id, b.nbytes) for b in new]}
@@ -133,11 +134,12 @@ class WriterProcess:
             self._process.kill()
             self._process.wait()
 
-    def _await_reply(self, abandon: AbandonSignal | None) -> tuple:
-        """Sleeps until the answer comes, or the abandon signal (then asks the writer process to
-        stop, and sleeps until its answer): this thread takes the interpreter lock only then."""
-        if abandon is not None and select.select([self._sock, abandon], [], [])[0] != [self._sock]:
-            send(self._sock, ("abandon",))  # set (perhaps with the answer already there)
+    def _await_reply(self, abandon: threading.Event | None) -> tuple:
+        asked = False
+        while not select.select([self._sock], [], [], POLL_S)[0]:
+            if abandon is not None and abandon.is_set() and not asked:
+                send(self._sock, ("abandon",))
+                asked = True
         return receive(self._sock)[0]
 
     def _died(self, what: str, display: str) -> StorageError:
