@@ -1,12 +1,14 @@
-"""The state stored in every format-version fixture (tests/fixtures/format-v*/)."""
+"""The states stored in the format fixtures (tests/fixtures/format-v*/)."""
 
 from __future__ import annotations
 
 import torch
 
 
-def fixture_state() -> dict:
-    return {
+def fixture_state(version: int) -> dict:
+    """The state of fixture ``format-v<version>``: version 2 adds tensors held outside the model (a
+    dict of tensors, a bare tensor), which that version saves as tensors of their own."""
+    state = {
         "model": {
             "weight": torch.arange(24, dtype=torch.float32).reshape(4, 6) / 7,
             "half": torch.arange(5, dtype=torch.bfloat16),
@@ -15,10 +17,31 @@ def fixture_state() -> dict:
         },
         "extra_state": {"step": 42, "name": "fixture", "pair": (1.5, None), "blob": b"\x00\x01"},
     }
+    if version >= 2:
+        state["ema"] = {"weight": torch.arange(24, dtype=torch.float32).reshape(4, 6) / 9, "decay": 0.99,
+                        "history": [torch.tensor([1, 2], dtype=torch.int32), "kept"]}
+        state["rng"] = torch.arange(8, dtype=torch.uint8)
+    return state
 
 
-def empty_like_fixture() -> dict:
-    state = fixture_state()
+def empty_like_fixture(version: int) -> dict:
+    """Live objects to load fixture ``format-v<version>`` into: tensors zeroed, values emptied."""
+    state = fixture_state(version)
     state["model"] = {k: torch.zeros_like(v) for k, v in state["model"].items()}
     state["extra_state"] = None
+    if version >= 2:
+        state["ema"] = {"weight": torch.zeros(4, 6), "decay": 0.0, "history": [torch.zeros(2, dtype=torch.int32), ""]}
+        state["rng"] = torch.zeros(8, dtype=torch.uint8)
     return state
+
+
+def tensors_in_values_state() -> dict:
+    """The state of fixture ``format-v1-tensors-in-values``, saved by bcp before tensors held by
+    values were saved as tensors of their own (each value a record holding its tensors)."""
+    g = torch.Generator().manual_seed(3)
+    return {
+        "model": {"weight": torch.randn(3, 4, generator=g)},
+        "ema": {"weight": torch.randn(3, 4, generator=g), "decay": 0.999, "steps": [torch.tensor(5), "x"]},
+        "rng": torch.arange(6, dtype=torch.uint8),
+        "extra_state": {"step": 9},
+    }

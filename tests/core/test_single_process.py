@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -282,16 +283,25 @@ def test_stateful_and_plain_components(tmp_path):
     assert state["epoch"] == 4 and fresh_sched.state_dict() == scheduler.state_dict()
 
 
-@pytest.mark.parametrize("version", sorted(p.name for p in (Path(__file__).parent.parent / "fixtures").glob("format-v*")))
+@pytest.mark.parametrize("version", sorted(int(p.name.removeprefix("format-v"))
+                                           for p in (Path(__file__).parent.parent / "fixtures").glob("format-v*")
+                                           if re.fullmatch(r"format-v\d+", p.name)))
 def test_every_earlier_format_version_still_loads(version):
     from fixture_state import empty_like_fixture, fixture_state
 
-    state = empty_like_fixture()
-    bcp.load(Path(__file__).parent.parent / "fixtures" / version, state, metrics_log=False)  # no log into the repo
-    expected = fixture_state()
+    state = empty_like_fixture(version)
+    held = {name: value for name, value in state.items() if name != "model"}
+    bcp.load(Path(__file__).parent.parent / "fixtures" / f"format-v{version}", state,
+             metrics_log=False)  # no log into the repo
+    expected = fixture_state(version)
     for key, value in expected["model"].items():
         assert torch.equal(state["model"][key], value) and state["model"][key].dtype == value.dtype, key
     assert state["extra_state"] == expected["extra_state"]
+    if version >= 2:
+        assert state["ema"] is held["ema"] and state["rng"] is held["rng"]  # loaded in place
+        assert torch.equal(state["ema"]["weight"], expected["ema"]["weight"]) and state["ema"]["decay"] == 0.99
+        assert torch.equal(state["ema"]["history"][0], expected["ema"]["history"][0])
+        assert torch.equal(state["rng"], expected["rng"])
 
 
 def test_large_shard_is_read_in_parts_and_each_part_verified(tmp_path, monkeypatch):

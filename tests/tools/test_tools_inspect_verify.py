@@ -29,8 +29,8 @@ def test_inspect_describes_entries_layouts_and_sizes(ckpt, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["generations"] == [{"generation": 1, "committed": True, "created": summary["created"],
                                        "step": None}]
-    assert (summary["format_version"], summary["framework"], summary["world_size"]) == (1, "plain", 1)
-    assert summary["components"] == {"model": {"tensors": 6, "values": 1}, "extra_state": {"tensors": 0, "values": 1}}
+    assert (summary["format_version"], summary["framework"], summary["world_size"]) == (2, "plain", 1)
+    assert summary["components"] == {"model": {"tensors": 6, "values": 1}, "extra_state": {"tensors": 1, "values": 1}}
     rows = {t["name"]: t for t in summary["tensors"]}
     assert rows["model/embed.weight"] == {"name": "model/embed.weight", "dtype": "float32", "shape": [10, 6],
                                           "numel": 60, "nbytes": 240, "shards": 2, "layout": "dim 0 / 2"}
@@ -67,7 +67,7 @@ def test_inspect_lists_kept_generations_with_time_and_step(tmp_path, capsys):
 def test_verify_passes_an_intact_checkpoint(ckpt, capsys):
     assert main(["verify", ckpt]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("OK:") and "6 tensors and 2 values intact" in out
+    assert out.startswith("OK:") and "7 tensors and 2 values intact" in out
 
 
 def test_verify_names_the_tensor_whose_bytes_are_corrupted(ckpt, capsys):
@@ -75,7 +75,7 @@ def test_verify_names_the_tensor_whose_bytes_are_corrupted(ckpt, capsys):
 
     assert main(["verify", ckpt, "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
-    assert not report["ok"] and report["tensors"] == 5 and report["values"] == 2
+    assert not report["ok"] and report["tensors"] == 6 and report["values"] == 2
     assert [p["entry"] for p in report["problems"]] == ["model/grid.weight"]
     assert "checksum mismatch" in report["problems"][0]["message"]
     with pytest.raises(bcp.CorruptCheckpointError):  # and reading that tensor refuses the bad bytes

@@ -38,16 +38,16 @@ def test_the_tools_read_and_write_checkpoints_at_urls(s3_env, s3_url, tmp_path, 
     assert main(["convert", source, str(tmp_path / "dcp")]) == 0
     in_memory = f"memory://tools-{uuid.uuid4().hex[:8]}/ckpt"
     assert main(["convert", str(tmp_path / "dcp"), in_memory, "--trust-pickle"]) == 0  # our own DCP folder
-    # Every DCP tensor reshards: the tensor inside the per-rank value extra_state comes back as an entry.
-    assert_bitwise({**tensors, "extra_state/rng": torch.arange(4, dtype=torch.uint8)}, read_all(in_memory))
+    assert_bitwise(tensors, read_all(in_memory))
 
     # export from s3 to a local folder; and safetensors (hf) -> bcp on s3
     assert main(["export", source, "--to", "safetensors", str(tmp_path / "hf")]) == 0
     exported = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    assert_bitwise({f"model/{n}": t for n, t in exported.items()}, tensors)
+    model_tensors = {n: t for n, t in tensors.items() if n.startswith("model/")}
+    assert_bitwise({f"model/{n}": t for n, t in exported.items()}, model_tensors)
     from_hf = f"{s3_url}/from-hf"
     assert main(["convert", str(tmp_path / "hf"), from_hf]) == 0
-    assert_bitwise(tensors, read_all(from_hf))
+    assert_bitwise(model_tensors, read_all(from_hf))
     capsys.readouterr()
 
 

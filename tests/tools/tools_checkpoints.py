@@ -13,7 +13,8 @@ from bcp.tools import open_checkpoint
 
 def sharded_checkpoint(path: str) -> dict[str, torch.Tensor]:
     """A checkpoint whose tensors are saved whole, cut along one dim, in a 2 x 2 grid and as flat
-    (irregular) pieces, plus a bfloat16, an int and a 0-d tensor, and two values; returns the tensors."""
+    (irregular) pieces, plus a bfloat16, an int and a 0-d tensor, a tensor held by a value, and two
+    values; returns the tensors."""
     g = torch.Generator().manual_seed(0)
     tensors = {
         "model/embed.weight": torch.randn(10, 6, generator=g),
@@ -34,7 +35,8 @@ def sharded_checkpoint(path: str) -> dict[str, torch.Tensor]:
         "scale": tensors["model/scale"],
         "note": "a non-tensor model entry",
     }
-    bcp.save(path, {"model": model, "extra_state": {"step": 7, "rng": torch.arange(4, dtype=torch.uint8)}})
+    tensors["extra_state/rng"] = torch.arange(4, dtype=torch.uint8)
+    bcp.save(path, {"model": model, "extra_state": {"step": 7, "rng": tensors["extra_state/rng"]}})
     return tensors
 
 

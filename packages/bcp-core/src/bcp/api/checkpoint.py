@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from bcp.layout.dtypes import dtype_from_name
 from bcp.layout.indexing import box_for_index
 from bcp.layout.manifest import Manifest, ObjectEntry, TensorEntry
 from bcp.layout.shard_table import ByteRange
+from bcp.layout.values import Resolve
 from bcp.layout.piece import Piece
 from bcp.layout.read_op import ReadOp, ReadRole
 from bcp.planning.load_plan import check_meta, plan_reads, staged
@@ -110,6 +111,11 @@ class Checkpoint:
         # A stepped slice is a strided view of the box: contiguous() copies it out so the box is freed.
         return self.read_box(name, box)[within].contiguous()
 
+    def empty_tensor(self, name: str) -> torch.Tensor:
+        """An uninitialised CPU tensor of tensor ``name``'s saved dtype and shape."""
+        entry = self.tensor_entry(name)
+        return torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+
     def read_box(self, name: str, box: Box) -> torch.Tensor:
         """The region ``box`` (global coordinates) of tensor ``name`` as a new CPU tensor."""
         entry = self.tensor_entry(name)
@@ -120,27 +126,45 @@ class Checkpoint:
         self.read_pieces([piece])
         return piece.tensor
 
-    def read_object(self, name: str, *, rank: int = 0, allow_pickle: bool = False) -> Any:
-        """The value ``name`` as saved by ``rank`` (values are saved per rank)."""
+    def read_object(self, name: str, *, rank: int = 0, allow_pickle: bool = False,
+                    resolve: Resolve | None = None) -> Any:
+        """The value ``name`` as saved by ``rank`` (values are saved per rank). The tensors it held
+        are read from where they are saved beside it (``resolve(name)`` gives them instead)."""
         entry = self.objects.get(name)
         if entry is None:
             raise CheckpointError(f"no value named {name!r}{_suggest(name, self.objects)}", path=self.path)
         if not 0 <= rank < len(entry.ranks) or entry.ranks[rank] < 0:
             saved = [r for r, record in enumerate(entry.ranks) if record >= 0]
             raise CheckpointError(f"rank {rank} saved no value {name!r}; ranks that did: {saved}", path=self.path)
-        return self._reader.read_object(entry, rank, allow_pickle=allow_pickle)
+        return self._reader.read_object(entry, rank, allow_pickle=allow_pickle,
+                                        resolve=resolve or self.held_tensors(rank, allow_pickle=allow_pickle))
 
-    def read_objects(self, sources: dict[str, int], *, allow_pickle: bool = False) -> dict[str, Any]:
+    def read_objects(self, sources: dict[str, int], *, allow_pickle: bool = False,
+                     resolve: Resolve | None = None) -> dict[str, Any]:
         """Each value ``name`` as saved by rank ``sources[name]``, read concurrently on up to
         ``io_threads`` threads: a rank's dataloader parts (token buffers of many MB each) arrive
         side by side, not one after another (the paper's dataloader stragglers, section 6.4)."""
         if len(sources) <= 1 or self.io_threads <= 1:
-            return {name: self.read_object(name, rank=rank, allow_pickle=allow_pickle)
+            return {name: self.read_object(name, rank=rank, allow_pickle=allow_pickle, resolve=resolve)
                     for name, rank in sources.items()}
         with ThreadPoolExecutor(min(self.io_threads, len(sources)), thread_name_prefix="bcp-values") as pool:
-            futures = {name: pool.submit(self.read_object, name, rank=rank, allow_pickle=allow_pickle)
+            futures = {name: pool.submit(self.read_object, name, rank=rank, allow_pickle=allow_pickle, resolve=resolve)
                        for name, rank in sources.items()}
             return {name: future.result() for name, future in futures.items()}
+
+    def held_tensors(self, rank: int, *, allow_pickle: bool = False, known: Mapping[str, Any] | None = None) -> Resolve:
+        """The tensors a value saved by ``rank`` refers to: ``known[name]`` where given, else read
+        (a tensor entry, or that rank's per-rank tensor)."""
+        def resolve(name: str) -> Any:
+            if known is not None and name in known:
+                return known[name]
+            if name in self.tensors:
+                return self.read(name)
+            if name in self.objects:
+                return self.read_object(name, rank=self.value_source(name, rank), allow_pickle=allow_pickle)
+            raise CorruptCheckpointError(f"a value refers to the tensor {name!r}, which the checkpoint does not hold",
+                                         path=self.path, key=name)
+        return resolve
 
     def distinct_values(self, name: str, *, allow_pickle: bool = False) -> list[Any]:
         """Every different value saved under ``name``, in the order of the first rank that saved

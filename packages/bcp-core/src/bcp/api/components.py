@@ -3,7 +3,8 @@
 :func:`collect` names every value of the parts :mod:`bcp.api.state_walk` finds: ``<path>/<fqn>`` for
 a module's tensors (through its adapter), ``<path>/state/<param fqn>/<key>`` and
 ``<path>/param_groups`` for an optimizer's (through the adapter of the module that owns its
-parameters), ``<path>`` for a sharded tensor and for a per-rank value, ``dataloader/<part>`` for a
+parameters), ``<path>`` for a sharded or plain tensor and for a per-rank value (the tensors a value
+holds are saved as ``<path>/<segment>/...``, ``layout.values``), ``dataloader/<part>`` for a
 dataloader's parts. ``{"model": m, "optimizer": o}`` keeps the names it always had.
 
 An optimizer is restored as ``torch.optim.Optimizer.load_state_dict`` restores it: a parameter the
@@ -24,11 +25,15 @@ from bcp.adapters.base import FrameworkAdapter
 from bcp.adapters.dataloader import COMPONENT as DATALOADER
 from bcp.adapters.dataloader import DataloaderState
 from bcp.adapters.optimizer import PARAM_GROUPS, STATE
+from bcp.api.in_place import into_live
 from bcp.api.state_walk import MODEL, OPTIMIZER, Leaf, ModuleComponent, OptimizerComponent, StateParts, Stateful, walk
 from bcp.errors import AdapterError, CheckpointError, MismatchError
+from bcp.layout.values import tensor_refs
 
 #: The value of a name a load leaves unread (a dataloader part another DP rank receives).
 SKIP = object()
+#: The value of a saved tensor a load reads where the live state holds none (it is then placed).
+PLACED = object()
 
 
 def check_keys(state: Mapping[str, Any]) -> None:
@@ -58,6 +63,10 @@ class StateValues:
     resharded: set[str] = field(default_factory=set)
     #: Names of per-rank values (each rank's own).
     per_rank: set[str] = field(default_factory=set)
+    #: Names of plain tensors (``planning.plain_tensors``: saved as tensor entries or per rank).
+    plain: set[str] = field(default_factory=set)
+    #: A load's: per per-rank value, the saved names of the tensors it holds (``<name>/...``).
+    held: dict[str, list[str]] = field(default_factory=dict)
     #: Names whose records from every saved rank are loaded together (optimizers' param groups,
     #: resolved by parameter name: which parameters a rank holds changes with the layout).
     merged: set[str] = field(default_factory=set)
@@ -66,6 +75,7 @@ class StateValues:
     modules: list[tuple[str, list[_Bound]]] = field(default_factory=list)
     optimizers: list[tuple[str, list[_Bound]]] = field(default_factory=list)
     leaves: list[Leaf] = field(default_factory=list)
+    plain_leaves: list[Leaf] = field(default_factory=list)
     statefuls: list[Stateful] = field(default_factory=list)
     dataloader: DataloaderState | None = None
 
@@ -93,15 +103,15 @@ class StateValues:
             parts = _within(DATALOADER, {n for n in loaded if n.startswith(f"{DATALOADER}/")}, loaded)
             if parts:
                 self.dataloader.restore(parts)
-        for leaf in self.leaves:
+        for leaf in [*self.leaves, *self.plain_leaves]:
             if leaf.path in loaded:
-                leaf.container[leaf.key] = loaded[leaf.path]
+                leaf.container[leaf.key] = into_live(leaf.container[leaf.key], loaded[leaf.path])
         for stateful in reversed(self.statefuls):  # inner objects before the objects holding them
             if stateful.walked:
                 if any(name == stateful.path or name.startswith(f"{stateful.path}/") for name in loaded):
                     stateful.obj.load_state_dict(stateful.tree)
             elif stateful.path in loaded:
-                stateful.obj.load_state_dict(loaded[stateful.path])
+                stateful.obj.load_state_dict(into_live(stateful.tree, loaded[stateful.path]))
 
 
 def _within(path: str, names: Collection[str], loaded: dict[str, Any]) -> dict[str, Any]:
@@ -133,19 +143,41 @@ def collect(state: Mapping[str, Any], framework: str | None, *, for_load: bool,
         out.framework = out.optimizers[0][1][0].adapter.name
     for leaf in parts.tensors:
         out.add(leaf.path, leaf.container[leaf.key], out.resharded)
+    for leaf in parts.plain:
+        out.add(leaf.path, leaf.container[leaf.key], out.plain)
     for leaf in parts.values:
         out.add(leaf.path, leaf.container[leaf.key], out.per_rank)
-    out.leaves = parts.values
+    out.leaves, out.plain_leaves = parts.values, parts.plain
     out.statefuls = parts.statefuls
     for stateful in parts.statefuls:
         if not stateful.walked:
             out.add(stateful.path, stateful.tree, out.per_rank)
+    if for_load:
+        _want_held_tensors(out, [*saved_tensors, *saved_objects])
     if parts.dataloader is not None:
         out.dataloader = parts.dataloader
         out.values.update(_dataloader_values(parts.dataloader, for_load, saved_objects, path))
     if for_load:
         _check_not_meta(out.values)
     return out
+
+
+def _want_held_tensors(out: StateValues, saved: list[str]) -> None:
+    """Each per-rank value also wants the tensors saved under its name (those it held at the save):
+    into the live tensor at the same place in the live value, else read to be placed."""
+    under: dict[str, list[str]] = {}
+    for name in saved:
+        head, _, rest = name.rpartition("/")
+        while head:
+            if head in out.per_rank:
+                under.setdefault(head, []).append(name)
+                break
+            head, _, rest = head.rpartition("/")
+    for value, names in under.items():
+        live = dict(tensor_refs(out.values[value], value))
+        for name in names:
+            out.add(name, live.get(name, PLACED))
+        out.held[value] = names
 
 
 def _as_saved(parts: StateParts, saved_objects: Collection[str]) -> StateParts:

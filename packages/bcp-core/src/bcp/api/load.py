@@ -17,7 +17,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
-from bcp.api.components import SKIP, StateValues, check_keys, collect
+from bcp.api.components import PLACED, SKIP, StateValues, check_keys, collect
 from bcp.api.gc_pause import paused_gc
 from bcp.api.metrics import Monitor
 from bcp.api.names import NameMatch, listing, match_names, unexpected_across_ranks
@@ -29,7 +29,7 @@ from bcp.api.targets import CheckpointTarget
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
 from bcp.engine.load_staging import Staging
-from bcp.errors import CheckpointError, MismatchError
+from bcp.errors import CheckpointError, CorruptCheckpointError, MismatchError
 from bcp.layout.piece import Piece
 from bcp.layout.read_op import ReadOp, ReadRequest, ReadRole
 from bcp.layout.shards import is_tensor_value
@@ -204,6 +204,7 @@ class _StateWanted:
     wanted: dict[str, Any]
     names: NameMatch
     allow_pickle: bool
+    cast_dtype: bool
     pieces: list[Piece] = field(default_factory=list)
     values: list[str] = field(default_factory=list)
 
@@ -213,14 +214,18 @@ class _StateWanted:
         live = collect(state, options.framework, for_load=True, saved_tensors=checkpoint.tensors,
                        saved_objects=checkpoint.objects, path=result.path)
         plan = _StateWanted(live, live.values, match_names(live.values, checkpoint, options.strict),
-                            options.allow_pickle)
+                            options.allow_pickle, options.cast_dtype)
         result.loaded, result.missing = plan.names.loaded, plan.names.missing
         for name in result.loaded:
-            if name in manifest.tensors and is_tensor_value(plan.wanted[name]):
-                checkpoint.check_meta(name, *tensor_meta(name, plan.wanted[name]), cast_dtype=options.cast_dtype)
-                plan.pieces.extend(pieces_of(name, plan.wanted[name]))
+            wanted = plan.wanted[name]
+            if name in manifest.tensors and is_tensor_value(wanted):
+                checkpoint.check_meta(name, *tensor_meta(name, wanted), cast_dtype=options.cast_dtype)
+                plan.pieces.extend(pieces_of(name, wanted))
+            elif name in manifest.tensors and (wanted is PLACED or name in live.per_rank):
+                plan.wanted[name] = placed = checkpoint.empty_tensor(name)  # nothing live to load into
+                plan.pieces.extend(pieces_of(name, placed))
             elif name in manifest.objects:
-                if plan.wanted[name] is not SKIP:
+                if wanted is not SKIP:
                     plan.values.append(name)
             else:
                 raise MismatchError("saved as a tensor but the live value is not one, or the reverse",
@@ -232,6 +237,8 @@ class _StateWanted:
 
     def read_values(self, checkpoint: Checkpoint, coord: Coordinator, result: LoadResult) -> dict[str, Any]:
         loaded = {name: self.wanted[name] for name in result.loaded if name in checkpoint.tensors}
+        held = {name for names in self.state.held.values() for name in names}
+        own = self.state.per_rank | self.state.plain | held  # each rank's own where saved per rank
         sources: dict[str, int] = {}
         for name in self.values:
             if name in self.state.merged:
@@ -239,18 +246,47 @@ class _StateWanted:
                 loaded[name] = [item for value in merged for item in value]
                 continue
             sources[name] = source = checkpoint.value_source(name, coord.rank)
-            if source != coord.rank and name in self.state.per_rank:
+            if source != coord.rank and name in own:
                 result.from_rank0.append(name)
-        loaded.update(checkpoint.read_objects(sources, allow_pickle=self.allow_pickle))
+        # the per-rank tensors that values hold first: the values' references resolve to them
+        loaded.update(checkpoint.read_objects({n: r for n, r in sources.items() if n in held},
+                                              allow_pickle=self.allow_pickle))
+        loaded.update(checkpoint.read_objects({n: r for n, r in sources.items() if n not in held},
+                                              allow_pickle=self.allow_pickle, resolve=_resolver(loaded, checkpoint)))
+        for name in sources.keys() & (self.state.plain | held):
+            self._check_in_place(name, loaded, checkpoint.path)
         result.duplicated, result.dropped = world_change(
-            checkpoint.objects, [name for name in self.values if name in self.state.per_rank], coord.world_size)
+            checkpoint.objects, [name for name in self.values if name in own], coord.world_size)
         if coord.rank == 0:
             warn_world_change(checkpoint.path, checkpoint.manifest.world_size, coord.world_size, result.duplicated,
                               result.dropped)
         return loaded
 
+    def _check_in_place(self, name: str, loaded: dict[str, Any], path: str) -> None:
+        """A tensor saved per rank goes into its live tensor as a module's does: same shape, and the
+        same dtype unless the load casts (it is then converted here, before anything is placed)."""
+        live, value = self.wanted[name], loaded[name]
+        if not isinstance(live, torch.Tensor) or not isinstance(value, torch.Tensor):
+            return  # nothing live to load into, or a value saved there: placed
+        if tuple(value.shape) != tuple(live.shape) or (value.dtype != live.dtype and not self.cast_dtype):
+            raise MismatchError(f"saved as {str(value.dtype).removeprefix('torch.')} {list(value.shape)}, the live "
+                                f"tensor is {str(live.dtype).removeprefix('torch.')} {list(live.shape)}"
+                                f"{'' if value.shape != live.shape else ' (pass cast_dtype=True to convert)'}",
+                                path=path, key=name)
+        loaded[name] = value.to(live.dtype)
+
     def apply(self, loaded: dict[str, Any]) -> None:
         self.state.apply(loaded)
+
+
+def _resolver(loaded: dict[str, Any], checkpoint: Checkpoint) -> Callable[[str], Any]:
+    """A value's references, resolved to the tensors this load read for them."""
+    def resolve(name: str) -> Any:
+        if name not in loaded:
+            raise CorruptCheckpointError(f"a value refers to the tensor {name!r}, which the checkpoint does not hold",
+                                         path=checkpoint.path, key=name)
+        return loaded[name]
+    return resolve
 
 
 def _read_once_roles(coord: Coordinator, planned: Outcome, checkpoint: Checkpoint) -> list[ReadRole] | None:

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+import torch
+
 from bcp.adapters.dataloader import COMPONENT as DATALOADER
 from bcp.adapters.dataloader import DataloaderState, check_writers
 from bcp.api.components import check_keys, collect
@@ -38,14 +40,15 @@ from bcp.layout.local_plan import LocalPlan
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.piece import Piece
 from bcp.layout.shards import is_tensor_value
-from bcp.layout.values import encode_value
 from bcp.layout.write_plan import RankAssignment, ValueWrite
 from bcp.layout.write_report import RankWrites
+from bcp.planning import plain_tensors
 from bcp.planning.assembly import assemble_manifest
 from bcp.planning.pieces import pieces_of, tensor_meta
+from bcp.planning.plain_tensors import PlainTensor
 from bcp.planning.plan_cache import CachedPlan
 from bcp.planning.save_plan import PlanColumns, global_plan, structure_key, writes_of
-from bcp.planning.shared_values import digests, values_to_write
+from bcp.planning.shared_values import digests, encoded_value, values_to_write
 from bcp.storage import Storage
 from bcp.version import __version__
 
@@ -105,17 +108,42 @@ def wait_pending_saves() -> None:
 
 @dataclass(slots=True)
 class _Collected:
-    """A rank's state as the planner sees it: tensor declarations, pieces and value records, and the
+    """A rank's state as the planner sees it: tensor declarations, pieces and value records, the
+    plain tensors (tensor entries or per-rank tensors, decided with every rank's digests) and the
     structure key the plan cache compares."""
 
     tensors: list[tuple[str, Any, tuple[int, ...]]]
     pieces: list[Piece]
     values: list[ValueWrite]
+    plain: list[PlainTensor]
     replica_crcs: list[int] | None
     structure: tuple
     framework: str
     #: The rank's word on its dataloader parts (``DataloaderState.declaration``), None without one.
     dataloader: list[int] | None
+
+    def with_entries(self, entries: set[str]) -> "_Share":
+        """Everything this rank plans once the plain tensors in ``entries`` are tensor entries."""
+        chosen = [t for t in self.plain if t.name in entries]
+        pieces = [p for t in chosen for p in pieces_of(t.name, t.host)]
+        crcs = [None] * len(self.pieces) + [t.crcs for t in chosen if t.host.numel()]
+        replica_crcs = None if self.replica_crcs is None else \
+            self.replica_crcs + [t.digest & 0xFFFFFFFF for t in chosen if t.host.numel()]
+        per_rank = [plain_tensors.per_rank_value(t) for t in self.plain if t.name not in entries]
+        return _Share(self.tensors + [(t.name, t.host.dtype, tuple(t.host.shape)) for t in chosen],
+                      self.pieces + pieces, crcs, replica_crcs, self.values + per_rank)
+
+
+@dataclass(slots=True)
+class _Share:
+    """What a rank plans and writes: declarations and pieces (each with its chunk checksums where
+    known), and value records."""
+
+    tensors: list[tuple[str, Any, tuple[int, ...]]]
+    pieces: list[Piece]
+    crcs: list[list[int] | None]
+    replica_crcs: list[int] | None
+    values: list[ValueWrite]
 
     def local_plan(self) -> list[Any]:
         return LocalPlan.of(self.tensors, self.pieces, self.replica_crcs).to_wire()
@@ -128,12 +156,12 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
     with stats.phase("collect"):
         collected = Outcome.of(lambda: _collect(state, options, location.display))
     with stats.phase("plan"):
-        generation, plan, value_digests = _agree_on_plan(coord, location, collected, rt,
-                                                         cache=not options.verify_replicas)
+        generation, plan, share, value_digests = _agree_on_plan(coord, location, collected, rt,
+                                                                cache=not options.verify_replicas)
     monitor.generation = generation
-    pieces = writes_of(collected.value.pieces, plan.writes)
+    pieces = writes_of(share.pieces, plan.writes, share.crcs)
     manifest_of = _manifest_builder(generation, collected.value.framework, plan, options.step)
-    values = values_to_write(coord.rank, collected.value.values, value_digests)
+    values = values_to_write(coord.rank, share.values, value_digests)
     if not options.async_save:
         writer = GenerationWriter(location, generation, threads=options.io_threads)
         commit(coord, writer, write_share(coord.rank, writer, pieces, values, stats, monitor=monitor), manifest_of,
@@ -142,6 +170,7 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
 
     background_coord = coord.sibling()  # collective: before the background thread needs it
     with stats.phase("stage"):
+        values = [value.snapshot() for value in values]  # the state may change once save returns
         buffer = rt.buffers.acquire(staged_nbytes(pieces))
         try:
             pieces = stage(pieces, buffer)
@@ -195,33 +224,46 @@ def _collected(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
     tensors: list[tuple[str, Any, tuple[int, ...]]] = []
     pieces: list[Piece] = []
     values: list[ValueWrite] = []
+    plain: list[PlainTensor] = []
+
+    def held(name: str, tensor: torch.Tensor) -> None:  # a tensor a value holds: saved as one
+        plain.append(PlainTensor.of(name, tensor, DEFAULT_CHECKSUM_CHUNK))
+
     for name, value in collected.values.items():
-        if name in collected.resharded and is_tensor_value(value):
+        if name in collected.plain:
+            held(name, value)
+        elif name in collected.resharded and is_tensor_value(value):
             tensors.append((name, *tensor_meta(name, value)))
             pieces.extend(pieces_of(name, value))
         else:
-            values.append(ValueWrite.of(name, encode_value(value, key=name, allow_pickle=options.allow_pickle)))
+            values.append(encoded_value(name, value, allow_pickle=options.allow_pickle, chunk=DEFAULT_CHECKSUM_CHUNK,
+                                        extract=held if name in collected.per_rank else None))
     crcs = [crc_of(byte_view(host_contiguous(p.tensor))) for p in pieces] if options.verify_replicas else None
     loader = state.get(DATALOADER)
-    return _Collected(tensors, pieces, values, crcs, structure_key(tensors, pieces), collected.framework,
+    declared = tensors + [(t.name, t.host.dtype, tuple(t.host.shape)) for t in plain]
+    return _Collected(tensors, pieces, values, plain, crcs, structure_key(declared, pieces), collected.framework,
                       loader.declaration() if isinstance(loader, DataloaderState) else None)
 
 
 @dataclass(frozen=True, slots=True)
 class _Proposal:
-    """A rank's word on the plan: whether its cached plan still fits, (rank 0) the generation, a
-    digest of the checkpoint it names and what it declares of its dataloader parts (the last two
-    checked by every rank before anything is written), and a digest of each of its per-rank values
-    (identical ones are written once, ``planning.shared_values``)."""
+    """A rank's word on the plan: whether its cached plan still fits (and for which kinds of plain
+    tensors it was made), (rank 0) the generation, a digest of the checkpoint it names and what it
+    declares of its dataloader parts (the last two checked by every rank before anything is
+    written), a digest of each of its per-rank values (identical ones are written once,
+    ``planning.shared_values``) and of each of its plain tensors (``planning.plain_tensors``)."""
 
     cache_hit: bool
+    cached_kinds: int | None
     generation: int | None
     target_digest: int
     dataloader: list[int] | None
     values: list[list[Any]]
+    plain: list[list[Any]]
 
     def to_wire(self) -> list[Any]:
-        return [self.cache_hit, self.generation, self.target_digest, self.dataloader, self.values]
+        return [self.cache_hit, self.cached_kinds, self.generation, self.target_digest, self.dataloader, self.values,
+                self.plain]
 
     @staticmethod
     def from_wire(wire: list[Any]) -> "_Proposal":
@@ -229,12 +271,13 @@ class _Proposal:
 
 
 def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, rt: Runtime,
-                   cache: bool) -> tuple[int, CachedPlan, list[list[list[Any]]]]:
-    """The generation to write, this rank's share of the global plan and every rank's value
-    digests. When every rank's
-    structure is unchanged since the previous save, the cached global plan is reused after one
-    small exchange (every rank's hit flag, and rank 0's generation, to every rank); otherwise local
-    plans are gathered and planned again."""
+                   cache: bool) -> tuple[int, CachedPlan, _Share, list[list[list[Any]]]]:
+    """The generation to write, this rank's share of the global plan (and what it plans), and every
+    rank's value digests. Which plain tensors are tensor entries follows from every rank's digests
+    of them. When every rank's structure is unchanged since the previous save, and its plain
+    tensors are of the same kinds, the cached global plan is reused after one small exchange (every
+    rank's hit flag, and rank 0's generation, to every rank); otherwise local plans are gathered
+    and planned again."""
     key = coord.cache_key()
     structure = collected.value.structure if cache and collected.error is None else None
     hit = rt.plan_cache.get(key, structure) if structure is not None else None
@@ -243,9 +286,10 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
     def propose() -> list[Any]:
         if collected.error is not None:
             raise collected.error
-        return _Proposal(hit is not None, location.claim_next_generation() if coord.rank == 0 else None,
+        return _Proposal(hit is not None, hit.kinds if hit is not None else None,
+                         location.claim_next_generation() if coord.rank == 0 else None,
                          _digest(location.target), collected.value.dataloader,
-                         digests(collected.value.values)).to_wire()
+                         digests(collected.value.values), plain_tensors.digests(collected.value.plain)).to_wire()
 
     proposals = [_Proposal.from_wire(wire) for wire in all_agree(coord, Outcome.of(propose), what)]
     try:  # every rank holds every proposal, so every rank raises the same error here
@@ -255,20 +299,25 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
     except CheckpointError as exc:
         raise exc.at(location.display)
     generation = proposals[0].generation
-    value_digests = [proposal.values for proposal in proposals]
-    if all(proposal.cache_hit for proposal in proposals):
-        return generation, hit, value_digests
+    entries = plain_tensors.same_everywhere([proposal.plain for proposal in proposals])
+    kinds = plain_tensors.kinds_digest(entries)
+    value_digests = [proposal.values + [pair for pair in proposal.plain if pair[0] not in entries]
+                     for proposal in proposals]
+    share = Outcome.of(lambda: collected.value.with_entries(entries))
+    if share.error is None and all(proposal.cache_hit and proposal.cached_kinds == kinds for proposal in proposals):
+        return generation, hit, share.value, value_digests
     kept: dict[str, PlanColumns] = {}
 
     def plan_globally(plans: list[Any]) -> list[Any]:
         kept["columns"] = columns = PlanColumns([LocalPlan.from_wire(plan) for plan in plans])
         return [assignment.to_wire() for assignment in global_plan(columns)]
 
-    share = gather_then_reply(coord, Outcome.of(collected.value.local_plan), plan_globally, what)
-    planned = CachedPlan(structure, RankAssignment.from_wire(share), kept.get("columns"))
+    local = Outcome.of(lambda: share.value.local_plan()) if share.error is None else share
+    wire = gather_then_reply(coord, local, plan_globally, what)
+    planned = CachedPlan(structure, RankAssignment.from_wire(wire), kept.get("columns"), kinds)
     if cache:
         rt.plan_cache.put(key, planned)
-    return generation, planned, value_digests
+    return generation, planned, share.value, value_digests
 
 
 def _digest(target: str) -> int:

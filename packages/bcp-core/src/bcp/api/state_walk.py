@@ -10,10 +10,12 @@ items by their index):
 - at the top-level ``model``/``optimizer`` keys, a state dict (a mapping with no module, optimizer
   or stateful object inside): the same components as given state dicts (the adapters' own input);
 - a DTensor or a ``TensorShard``/``FlatShard`` (list): a *tensor*, resharded like a model's;
+- any other tensor: a *plain tensor* (``planning.plain_tensors``), loaded in place;
 - a ``DataloaderState`` under the top-level ``dataloader`` key;
 - an object with ``state_dict``/``load_state_dict``: its state dict, walked in turn;
 - a mapping or list holding any of the above: walked;
-- anything else: a *per-rank value*, the rank's own, under its path.
+- anything else: a *per-rank value*, the rank's own, under its path (the tensors it holds are
+  saved as tensors of their own, ``layout.values``).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class StateParts:
     modules: list[ModuleComponent] = field(default_factory=list)
     optimizers: list[OptimizerComponent] = field(default_factory=list)
     tensors: list[Leaf] = field(default_factory=list)
+    plain: list[Leaf] = field(default_factory=list)
     values: list[Leaf] = field(default_factory=list)
     statefuls: list[Stateful] = field(default_factory=list)
     dataloader: DataloaderState | None = None
@@ -132,6 +135,8 @@ def _visit(parts: StateParts, path: str, value: Any, container: Any, key: Any) -
             parts.optimizers.append(OptimizerComponent(path, [value], [None]))
     elif _is_sharded_tensor(value):
         parts.tensors.append(Leaf(path, container, key))
+    elif isinstance(value, torch.Tensor):
+        parts.plain.append(Leaf(path, container, key))
     elif is_stateful(value) and not isinstance(value, torch.Tensor):
         tree = value.state_dict()
         walked = _holds_parts(tree)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from bcp.engine.checksum import crc_of
 from bcp.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
                         FormatVersionError, StorageError)
-from bcp.layout.manifest import FORMAT_NAME, SHARD_TABLE, SUPPORTED_VERSIONS, FORMAT_VERSION, Manifest
+from bcp.layout.manifest import FORMAT_NAME, MARKER_VERSION, SHARD_TABLE, Manifest
 from bcp.storage.base import Storage
 
 MANIFEST = "manifest.json"
@@ -123,7 +123,7 @@ class Location:
         self.storage.write_file(self.name(generation, SHARD_TABLE), [memoryview(table_bytes)])
         self.storage.write_file(self.name(generation, MANIFEST), [memoryview(manifest_bytes)])
         marker = {
-            "format": FORMAT_NAME, "version": FORMAT_VERSION, "generation": generation,
+            "format": FORMAT_NAME, "version": MARKER_VERSION, "generation": generation,
             "manifest_bytes": len(manifest_bytes), "manifest_crc32c": crc_of(memoryview(manifest_bytes)),
         }
         self._check_claimed(generation)
@@ -214,9 +214,9 @@ def _parse_marker(data: bytes, generation: int, where: str) -> dict:
     if not isinstance(marker, dict) or marker.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError("commit marker is not a bcp marker", path=where)
     version = marker.get("version")
-    if type(version) is not int or version not in SUPPORTED_VERSIONS:
-        raise FormatVersionError(f"commit marker of format version {version!r}; this bcp reads {SUPPORTED_VERSIONS}",
-                                 path=where)
+    if type(version) is not int or version != MARKER_VERSION:
+        raise FormatVersionError(f"commit marker of format version {version!r}; this bcp reads "
+                                 f"({MARKER_VERSION},)", path=where)
     if type(marker.get("generation")) is not int or marker["generation"] != generation:
         raise CorruptCheckpointError(f"commit marker names generation {marker.get('generation')!r}, "
                                      f"not {generation}", path=where)

@@ -24,7 +24,7 @@ from bcp.engine.verification import ChunkVerifier
 from bcp.errors import CorruptCheckpointError, StorageError
 from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry
 from bcp.layout.read_op import ReadOp
-from bcp.layout.values import decode_value
+from bcp.layout.values import Resolve, decode_value
 from bcp.storage.range_reads import ViewReads
 
 T = TypeVar("T")
@@ -178,7 +178,7 @@ class ShardReader:
         except OSError as exc:
             raise StorageError(f"reading {file} failed: {exc}", path=self.display, key=key) from exc
 
-    def read_object(self, entry: ObjectEntry, rank: int, *, allow_pickle: bool) -> Any:
+    def read_object(self, entry: ObjectEntry, rank: int, *, allow_pickle: bool, resolve: Resolve | None = None) -> Any:
         where, tree_nbytes = entry.records[entry.ranks[rank]]
         file = self.manifest.files[where.file]
         stored = self._size_of(where.file, entry.name)  # before allocating what the record claims
@@ -189,7 +189,7 @@ class ShardReader:
         buffer = bytearray(where.nbytes)
         self.read_range(where, 0, memoryview(buffer), entry.name)
         return decode_value(memoryview(buffer), tree_nbytes, key=entry.name, path=self.display,
-                            allow_pickle=allow_pickle)
+                            allow_pickle=allow_pickle, resolve=resolve)
 
     def _size_of(self, file_index: int, key: str) -> int:
         """A data file's size, asked of storage once per file (values share a few files; on an object

@@ -117,7 +117,7 @@ def stage(writes: list[PieceWrite], buffer: torch.Tensor) -> list[PieceWrite]:
             from_device.append((view, t))
         else:
             view.copy_(t)
-        staged.append(PieceWrite(write.index, write.part, view, nbytes))
+        staged.append(PieceWrite(write.index, write.part, view, nbytes, write.crcs))
         offset += _aligned(nbytes)
     to_host(from_device)
     return staged

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from bcp.engine.bytes_of import byte_view, host_contiguous
-from bcp.engine.checksum import chunk_crcs
+from bcp.engine.checksum import chunk_crcs, joined_chunk_crcs
 from bcp.engine.location import Location, data_file_name
 from bcp.engine.priority import lower_this_thread
 from bcp.engine.shared_memory import SharedHostBuffer
@@ -78,7 +78,7 @@ class GenerationWriter:
                    on_written: Callable[[int], None] | None = None) -> RankWrites:
         """Write this rank's data files and report where everything lies; ``on_written(nbytes)``
         after each piece (from a writer thread)."""
-        items = [_Item(p.nbytes, piece=p) for p in pieces] + [_Item(len(v.data), value=v) for v in values]
+        items = [_Item(p.nbytes, piece=p) for p in pieces] + [_Item(v.nbytes, value=v) for v in values]
         total = sum(item.nbytes for item in items)
         threads = self.threads if self.in_process is None else min(self.threads, writer_process.FILES_AT_ONCE)
         bins = _balance(items, max(1, min(threads, len(items), total // MIN_BYTES_PER_FILE)))
@@ -107,7 +107,8 @@ class GenerationWriter:
                     value = item.value
                     value_rows.append(ValueRecord(value.name, file_index, offset, item.nbytes, value.tree_nbytes,
                                                   item_crcs, list(value.ranks) if value.ranks else None))
-        return RankWrites(files, WrittenPieces.of(piece_rows), value_rows, any(v.used_pickle for v in values))
+        return RankWrites(files, WrittenPieces.of(piece_rows), value_rows, any(v.used_pickle for v in values),
+                          any(v.refs for v in values))
 
     def _write_in_threads(self, files: list[str], bins: list[list[_Item]],
                           on_written: Callable[[int], None] | None) -> list[list[list[int]]]:
@@ -130,11 +131,17 @@ class GenerationWriter:
             for item, offset in file_items:
                 if offset > end:
                     listed.append(offset - end)
-                listed.append((to.buffer.id, item.staged, item.nbytes) if item.piece is not None else item.value.data)
+                listed.append((to.buffer.id, item.staged, item.nbytes, self._known_crcs(item)) if item.piece is not None
+                              else (item.value.joined(), self._known_crcs(item)))
                 end = offset + item.nbytes
             jobs.append((self.location.name(self.generation, name), listed))
         return to.process.write_files(to.storage, self.chunk, jobs, [to.buffer], to.live, self.abandon,
                                       f"writing generation {self.generation}", self.location.display)
+
+    def _known_crcs(self, item: _Item) -> list[int] | None:
+        """The item's chunk checksums where the save computed them already (at this chunk size)."""
+        known = item.piece.crcs if item.piece is not None else item.value.crcs
+        return list(known) if known is not None and self.chunk == DEFAULT_CHECKSUM_CHUNK else None
 
     def commit(self, manifest: Manifest) -> int | None:
         """Make the generation visible (shard table, manifest, then the commit marker), then remove
@@ -156,11 +163,15 @@ class GenerationWriter:
                 if self.abandon is not None and self.abandon.is_set():
                     raise SaveAbandonedError(f"the save of generation {self.generation} was abandoned "
                                              f"before {name} was complete", path=self.location.display)
-                data = byte_view(host_contiguous(_produced(item.piece))) if item.piece is not None \
-                    else memoryview(item.value.data)
-                crcs.append(chunk_crcs(data, chunk))
+                known = self._known_crcs(item)
+                if item.value is not None:
+                    crcs.append(known or joined_chunk_crcs(item.value.parts, chunk))
+                    yield from map(memoryview, item.value.parts)
+                    continue
+                data = byte_view(host_contiguous(_produced(item.piece)))
+                crcs.append(known or chunk_crcs(data, chunk))
                 yield data
-                if on_written is not None and item.piece is not None:
+                if on_written is not None:
                     on_written(data.nbytes)
                 del data  # a produced piece is released before the next one is made
 

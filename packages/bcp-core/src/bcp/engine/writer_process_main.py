@@ -113,7 +113,8 @@ class _Writer:
     def write_file(self, storage: Any, name: str, items: list, chunk: int, direct: bool) -> list[list[int]]:
         """Write one file: ``items`` in order, each a piece's place in a shared buffer, a value's
         bytes, or a count of zero bytes (padding, not checksummed); each piece's and value's chunk
-        checksums, in order. With ``direct``, through the storage's direct I/O where it has one."""
+        checksums, in order (those the training process sent along, else computed while writing).
+        With ``direct``, through the storage's direct I/O where it has one."""
         crcs: list[list[int]] = []
 
         def stream() -> Iterator[memoryview]:
@@ -123,9 +124,9 @@ class _Writer:
                 if isinstance(item, int):
                     yield memoryview(bytes(item))
                     continue
-                data = memoryview(item) if isinstance(item, bytes) else \
+                data = memoryview(item[0]) if isinstance(item[0], bytes) else \
                     memoryview(self.maps[item[0]])[item[1]: item[1] + item[2]]
-                crcs.append(chunk_crcs(data, chunk))
+                crcs.append(item[-1] if item[-1] is not None else chunk_crcs(data, chunk))
                 yield data
                 del data  # a view would keep the map from closing
 

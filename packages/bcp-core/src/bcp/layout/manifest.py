@@ -21,8 +21,12 @@ from bcp.layout.shard_table import ByteRange, ShardEntry, ShardTable
 
 FORMAT_NAME = "bcp"
 SHARD_TABLE = "shard_table.bin"
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+#: The newest format version. Version 2 adds references from value records to tensors saved beside
+#: them (``layout.values``); a checkpoint without any is written as version 1, which every bcp reads.
+FORMAT_VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
+#: The commit marker's own format has one version.
+MARKER_VERSION = 1
 CHECKSUM_ALGORITHM = "crc32c"
 DEFAULT_CHECKSUM_CHUNK = 1 << 20
 # Every integer of the format is an int64; sizes and element counts must fit one.
@@ -87,6 +91,11 @@ class ObjectEntry:
         return component_of(self.name)
 
 
+def format_version(refs: bool) -> int:
+    """The oldest version that holds what a checkpoint uses: 2 where a value record refers to tensors."""
+    return 2 if refs else 1
+
+
 @dataclass(slots=True)
 class Manifest:
     generation: int
@@ -99,9 +108,18 @@ class Manifest:
     unsafe_pickle: bool = False
     created_unix: float = 0.0
     writer: str = ""
-    version: int = FORMAT_VERSION
+    version: int = 1
     #: The training step the save was taken at, where the caller said (``SaveOptions.step``).
     step: int | None = None
+
+    def holder_of(self, name: str) -> str | None:
+        """The value whose record refers to entry ``name`` (saved as ``<value>/...``), if any."""
+        head = name.rpartition("/")[0]
+        while head:
+            if head in self.objects:
+                return head
+            head = head.rpartition("/")[0]
+        return None
 
     def components(self) -> set[str]:
         return {e.component for e in self.tensors.values()} | {e.component for e in self.objects.values()}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -40,16 +40,18 @@ class RankAssignment:
 class PieceWrite:
     """Local piece ``index`` (or ``part`` of it) to write. ``data`` is the tensor holding exactly its
     bytes, or a function producing that tensor when it is written (streaming tools keep one piece
-    in memory at a time); ``nbytes`` is its size either way."""
+    in memory at a time); ``nbytes`` is its size either way. ``crcs``, where known, are the chunk
+    checksums of those bytes (computed once, when the save compared them across ranks)."""
 
     index: int
     part: SplitPart | None
     data: torch.Tensor | Callable[[], torch.Tensor]
     nbytes: int
+    crcs: list[int] | None = None
 
     @staticmethod
-    def of(index: int, part: SplitPart | None, tensor: torch.Tensor) -> "PieceWrite":
-        return PieceWrite(index, part, tensor, tensor.numel() * tensor.element_size())
+    def of(index: int, part: SplitPart | None, tensor: torch.Tensor, crcs: list[int] | None = None) -> "PieceWrite":
+        return PieceWrite(index, part, tensor, tensor.numel() * tensor.element_size(), crcs)
 
     def tensor(self) -> torch.Tensor:
         return self.data() if callable(self.data) else self.data
@@ -57,16 +59,35 @@ class PieceWrite:
 
 @dataclass(frozen=True, slots=True)
 class ValueWrite:
-    """A non-tensor value's record to write: ``data`` is the encoded tree (its first ``tree_nbytes``
-    bytes) followed by its blobs, copied when the write is made, so the value may change at once.
-    ``ranks`` are the saved ranks the record stands for; None means the writing rank alone."""
+    """A non-tensor value's record to write: ``parts`` are the encoded tree (``tree_nbytes`` bytes)
+    and its blobs, one after the other. A synchronous save writes them from the value's own memory;
+    an asynchronous one writes a ``snapshot`` taken before ``save`` returns, so the value may change
+    at once. ``ranks`` are the saved ranks the record stands for (None: the writing rank alone);
+    ``crcs``, where known, the record's chunk checksums; ``digest`` identifies its bytes across ranks."""
 
     name: str
-    data: bytes
+    parts: tuple[bytes | memoryview, ...]
     tree_nbytes: int
     used_pickle: bool = False
     ranks: tuple[int, ...] | None = None
+    crcs: tuple[int, ...] | None = None
+    digest: int = 0
+    #: The record refers to tensors saved beside it (``layout.values``).
+    refs: bool = False
 
     @staticmethod
-    def of(name: str, encoded: EncodedValue, ranks: tuple[int, ...] | None = None) -> "ValueWrite":
-        return ValueWrite(name, b"".join(encoded.chunks()), len(encoded.tree), encoded.used_pickle, ranks)
+    def of(name: str, encoded: EncodedValue, crcs: tuple[int, ...] | None = None, digest: int = 0) -> "ValueWrite":
+        return ValueWrite(name, tuple(encoded.chunks()), len(encoded.tree), encoded.used_pickle, None, crcs, digest,
+                          encoded.refs > 0)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(memoryview(part).nbytes for part in self.parts)
+
+    def joined(self) -> bytes:
+        """The record as one bytes object."""
+        return self.parts[0] if len(self.parts) == 1 and isinstance(self.parts[0], bytes) else b"".join(self.parts)
+
+    def snapshot(self) -> "ValueWrite":
+        """The record copied out of the value's memory."""
+        return replace(self, parts=(self.joined(),))

@@ -78,23 +78,25 @@ class ValueRecord:
 
 @dataclass(slots=True)
 class RankWrites:
-    """One rank's report: file names (relative to the generation), its pieces and value records, and
-    whether any value was pickled."""
+    """One rank's report: file names (relative to the generation), its pieces and value records,
+    whether any value was pickled and whether any record refers to tensors saved beside it."""
 
     files: list[str]
     pieces: WrittenPieces
     values: list[ValueRecord]
     used_pickle: bool
+    used_refs: bool = False
 
     @property
     def nbytes(self) -> int:
         return int(self.pieces.where[:, 2].sum()) + sum(v.nbytes for v in self.values)
 
     def to_wire(self) -> list[Any]:
-        return [self.files, self.pieces.to_wire(), [v.to_wire() for v in self.values], self.used_pickle]
+        return [self.files, self.pieces.to_wire(), [v.to_wire() for v in self.values], self.used_pickle,
+                self.used_refs]
 
     @staticmethod
     def from_wire(wire: list[Any]) -> "RankWrites":
-        files, pieces, values, used_pickle = wire
+        files, pieces, values, used_pickle, used_refs = wire
         return RankWrites(files, WrittenPieces.from_wire(pieces), [ValueRecord.from_wire(v) for v in values],
-                          used_pickle)
+                          used_pickle, used_refs)

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry, TensorEntry
+from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry, TensorEntry, format_version
 from bcp.layout.shard_table import ShardTable
 from bcp.layout.write_report import RankWrites, WrittenPieces
 from bcp.planning.save_plan import PlanColumns
@@ -31,7 +31,8 @@ def assemble_manifest(*, generation: int, framework: str, checksum_chunk: int, w
     return Manifest(generation=generation, world_size=world_size, framework=framework, files=files,
                     tensors=tensors, objects=_object_entries(reports, file_base, world_size),
                     checksum_chunk=checksum_chunk, unsafe_pickle=any(r.used_pickle for r in reports),
-                    created_unix=time.time(), writer=writer)
+                    created_unix=time.time(), writer=writer,
+                    version=format_version(any(r.used_refs for r in reports)))
 
 
 def _shard_table(columns: PlanColumns, written: list[WrittenPieces],

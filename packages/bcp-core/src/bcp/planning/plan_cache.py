@@ -18,6 +18,9 @@ class CachedPlan:
     writes: RankAssignment
     #: Every rank's pieces, kept on the coordinating rank only (it assembles manifests).
     columns: PlanColumns | None
+    #: Which plain tensors were tensor entries (``plain_tensors.kinds_digest``): the plan holds only
+    #: for saves where the same ones are.
+    kinds: int = 0
 
 
 class PlanCache:

@@ -187,9 +187,12 @@ def _check_coverage(p: PlanColumns, gid: np.ndarray, offsets: np.ndarray, length
                             "identical replicas", key=p.names[problem.tensor])
 
 
-def writes_of(pieces: list[Piece], assignment: RankAssignment) -> list[PieceWrite]:
-    """A rank's assignment resolved to the tensors it writes (views of its pieces, no copy)."""
-    out = [PieceWrite.of(index, None, pieces[index].tensor) for index in assignment.whole]
+def writes_of(pieces: list[Piece], assignment: RankAssignment,
+              crcs: list[list[int] | None] | None = None) -> list[PieceWrite]:
+    """A rank's assignment resolved to the tensors it writes (views of its pieces, no copy);
+    ``crcs``, where given, are each piece's chunk checksums already computed."""
+    out = [PieceWrite.of(index, None, pieces[index].tensor, crcs[index] if crcs else None)
+           for index in assignment.whole]
     for part in assignment.parts:
         piece = pieces[part.index]
         region = Box(part.offsets, part.lengths).relative_to(piece.box)

@@ -3,20 +3,32 @@
 Every rank sends an 8-byte digest of each of its encoded values with its word on the plan (the
 exchange every save makes anyway); from every rank's digests each rank works out the same answer:
 of the ranks whose value ``name`` has one digest, the lowest writes one record standing for all of
-them (``ValueWrite.ranks``), the others write nothing.
+them (``ValueWrite.ranks``), the others write nothing. A digest is folded from the record's chunk
+checksums (``encoded_value``), which the writer then stores: one pass over the record's bytes.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import replace
+from typing import Any
 
+from bcp.engine.checksum import content_digest, joined_chunk_crcs
+from bcp.layout.values import encode_value
 from bcp.layout.write_plan import ValueWrite
+
+
+def encoded_value(name: str, value: Any, *, allow_pickle: bool, chunk: int,
+                  extract: Any = None) -> ValueWrite:
+    """``value``'s record with its chunk checksums and digest (``layout.values.encode_value``)."""
+    encoded = encode_value(value, key=name, allow_pickle=allow_pickle, extract=extract)
+    parts = encoded.chunks()
+    crcs = joined_chunk_crcs(parts, chunk)
+    return ValueWrite.of(name, encoded, tuple(crcs), content_digest(crcs, len(encoded.tree), encoded.used_pickle))
 
 
 def digests(values: list[ValueWrite]) -> list[list]:
     """``[name, digest]`` of each value, for the plan exchange."""
-    return [[v.name, _digest(v)] for v in values]
+    return [[v.name, v.digest] for v in values]
 
 
 def values_to_write(rank: int, values: list[ValueWrite], every_rank: list[list[list]]) -> list[ValueWrite]:
@@ -27,15 +39,9 @@ def values_to_write(rank: int, values: list[ValueWrite], every_rank: list[list[l
             holders.setdefault((name, digest), []).append(r)
     writes = []
     for value in values:
-        ranks = holders.get((value.name, _digest(value)), [rank])
+        ranks = holders.get((value.name, value.digest), [rank])
         if len(ranks) == 1:
             writes.append(value)
         elif ranks[0] == rank:
             writes.append(replace(value, ranks=tuple(ranks)))
     return writes
-
-
-def _digest(value: ValueWrite) -> int:
-    h = hashlib.blake2b(value.data, digest_size=8)
-    h.update(bytes([value.used_pickle]) + value.tree_nbytes.to_bytes(8, "little"))
-    return int.from_bytes(h.digest(), "big")

@@ -55,6 +55,8 @@ class ValueSource:
     name: str
     records: list[tuple[bytes, int]]
     ranks: list[int]
+    #: The records may refer to tensors saved beside them (copied from a checkpoint that has such records).
+    refs: bool = False
 
     @staticmethod
     def of(name: str, value: object, world_size: int = 1) -> "ValueSource":
@@ -64,8 +66,8 @@ class ValueSource:
 
     def writes(self) -> list[ValueWrite]:
         """One record write per record, standing for the ranks that saved it."""
-        return [ValueWrite(self.name, data, tree_nbytes,
-                           ranks=tuple(r for r, index in enumerate(self.ranks) if index == i))
+        return [ValueWrite(self.name, (data,), tree_nbytes,
+                           ranks=tuple(r for r, index in enumerate(self.ranks) if index == i), refs=self.refs)
                 for i, (data, tree_nbytes) in enumerate(self.records)]
 
 

@@ -103,14 +103,20 @@ def convert_bcp_to_dcp(src: "str | os.PathLike", out: "str | os.PathLike", *, ro
     target = check_new_local_output(out, [checkpoint.location.storage.root], what="DCP checkpoints")
     state: dict[str, Any] = {}
     placeholders: dict[int, str] = {}
+    metas: dict[str, torch.Tensor] = {}
     for name, entry in checkpoint.tensors.items():
-        meta = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype), device="meta")
+        metas[name] = meta = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype), device="meta")
         placeholders[id(meta)] = name
-        insert(state, tuple(name.split("/")), meta)
+        if checkpoint.manifest.holder_of(name) is None:  # else it goes in with the value holding it
+            insert(state, tuple(name.split("/")), meta)
     reduced = []
     for name, entry in checkpoint.objects.items():
+        if checkpoint.manifest.holder_of(name) is not None:
+            continue  # a per-rank tensor of a value: read with it
         rank = next(r for r, record in enumerate(entry.ranks) if record >= 0)
-        insert(state, tuple(name.split("/")), checkpoint.read_object(name, rank=rank, allow_pickle=allow_pickle))
+        value = checkpoint.read_object(name, rank=rank, allow_pickle=allow_pickle,
+                                       resolve=checkpoint.held_tensors(rank, allow_pickle=allow_pickle, known=metas))
+        insert(state, tuple(name.split("/")), value)
         if len(entry.records) > 1:
             reduced.append(name)
     progress = progress or NoProgress()

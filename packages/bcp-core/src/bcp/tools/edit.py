@@ -14,7 +14,7 @@ from bcp.engine.location import Location
 from bcp.errors import MismatchError
 from bcp.layout.box import Box
 from bcp.layout.dtypes import dtype_from_name
-from bcp.layout.manifest import TensorEntry
+from bcp.layout.manifest import Manifest, TensorEntry
 from bcp.tools.build import PieceSource, ValueSource, write_checkpoint
 from bcp.tools.checkpoint import Checkpoint, open_checkpoint
 from bcp.tools.progress import Progress
@@ -42,7 +42,7 @@ def edit_checkpoint(src: "str | os.PathLike", out: "str | os.PathLike", *, role:
     """
     checkpoint = open_checkpoint(src, role=role)
     manifest = checkpoint.manifest
-    names = rules.apply([*manifest.tensors, *manifest.objects])
+    names = _with_holders(manifest, rules.apply([*manifest.tensors, *manifest.objects]), checkpoint.path)
     return _write_edited(checkpoint, names, out, casts=casts, consolidate=consolidate, progress=progress,
                          sources=[checkpoint.location.storage.root])
 
@@ -64,8 +64,30 @@ def remove_entries(path: "str | os.PathLike", names: Iterable[str], *, role: str
     if unknown:
         raise MismatchError(f"cannot remove {', '.join(map(repr, unknown))}: no such entry", path=checkpoint.path)
     kept = {name: name for name in [*manifest.tensors, *manifest.objects] if name not in removed}
+    kept = _with_holders(manifest, kept, checkpoint.path)
     return _write_edited(checkpoint, kept, replace(checkpoint.location, keep_generations=1), casts=CastRules(),
                          consolidate=False, progress=progress, sources=())
+
+
+def _with_holders(manifest: Manifest, names: dict[str, str], path: str) -> dict[str, str]:
+    """The tensors a value holds (saved under its name, ``layout.values``) go where the value goes:
+    dropped and renamed with it. Dropped or renamed apart from it, they would leave the value
+    referring to nothing, which is refused."""
+    out = dict(names)
+    for name in [*manifest.tensors, *manifest.objects]:
+        holder = manifest.holder_of(name)
+        if holder is None:
+            continue
+        if holder not in names:
+            out.pop(name, None)
+            continue
+        follows = names[holder] + name[len(holder):]
+        if names.get(name) not in (name, follows):
+            what = "dropped" if name not in names else f"renamed to {names[name]!r}"
+            raise MismatchError(f"{name!r} would be {what} apart from the value {holder!r} that holds it; "
+                                f"edit {holder!r} instead (its tensors follow it)", path=path)
+        out[name] = follows
+    return out
 
 
 def _write_edited(checkpoint: Checkpoint, names: dict[str, str], out: "str | os.PathLike | Location", *,
@@ -111,4 +133,4 @@ def _copied(checkpoint: Checkpoint, name: str, new_name: str) -> ValueSource:
         data = bytearray(where.nbytes)
         checkpoint.read_range(where, 0, memoryview(data), name)
         records.append((bytes(data), tree_nbytes))
-    return ValueSource(new_name, records, list(entry.ranks))
+    return ValueSource(new_name, records, list(entry.ranks), refs=checkpoint.manifest.version >= 2)

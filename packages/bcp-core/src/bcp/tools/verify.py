@@ -142,13 +142,19 @@ class _Verifier:
             try:
                 self.checkpoint.read_range(where, 0, record, name)
                 self.advance(where.nbytes)
-                decode_value(record, tree_nbytes, key=name, path=self.report.path)
+                decode_value(record, tree_nbytes, key=name, path=self.report.path, resolve=self.held_tensor)
             except UnsafeCheckpointError:
                 pass  # pickled on purpose: its bytes are verified, unpickling it is not ours to do
             except CheckpointError as exc:
                 self.problem(name, _reason(exc))
                 return False
         return True
+
+    def held_tensor(self, name: str) -> None:
+        """A value's reference must name a tensor saved beside it (whose bytes are verified as its own entry)."""
+        if name not in self.manifest.tensors and name not in self.manifest.objects:
+            raise CorruptCheckpointError(f"a value refers to the tensor {name!r}, which the checkpoint does not hold",
+                                         path=self.report.path, key=name)
 
     def advance(self, nbytes: int) -> None:
         self.report.bytes_checked += nbytes
