@@ -185,3 +185,24 @@ def test_a_tensor_that_stops_being_the_same_on_every_rank_is_saved_per_rank(rank
     assert "t" not in manifest.tensors and manifest.objects["t"].ranks == [0, 1]
     loaded = ranks(2).run(load_t, path)
     assert torch.equal(loaded[0], torch.arange(4.0)) and torch.equal(loaded[1], torch.arange(4.0) + 1)
+
+
+def save_a_large_replicated_tensor(path: str) -> None:
+    from bcp.planning import save_plan
+
+    save_plan.SPLIT_BYTES = 4 << 20  # a 24 MiB replicated tensor is "very large": each rank writes a part
+    try:
+        g = torch.Generator().manual_seed(0)
+        bcp.save(path, {"ema": {"big": torch.randn(3000, 2048, generator=g)}})
+    finally:
+        save_plan.SPLIT_BYTES = 256 << 20
+
+
+def test_a_large_replicated_tensor_is_written_in_parts_with_the_checksums_computed_once(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    ranks(2).run(save_a_large_replicated_tensor, path)
+    entry = read_manifest(path).tensors["ema/big"]
+    assert [s.box.offsets[0] for s in entry.shards] == [0, 1536]  # cut on a checksum chunk boundary
+    assert {s.bytes.file for s in entry.shards} == {0, 1}  # one part by each rank
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(read_tensor(path, "ema/big"), torch.randn(3000, 2048, generator=g))  # every chunk verified

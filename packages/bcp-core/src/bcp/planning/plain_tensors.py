@@ -8,9 +8,12 @@ that values hold (``layout.values`` extracts them). Each is one of two kinds, de
   the tensor's name (``docs/resharding.md``: its world-size rules and warnings).
 
 The decision costs one pass over each tensor's bytes, the one the writer would make anyway: the
-chunk checksums computed here are those the writer stores. Folded with the dtype and shape into 8
-bytes, they travel with the save's plan exchange; two ranks' tensors count as the same where every
-chunk's crc32c agrees (differing bytes escape that with a chance of 2**-32 per differing chunk).
+chunk checksums computed here are those the writer stores for a tensor entry. Folded with the
+dtype and shape into 8 bytes, they travel with the save's plan exchange; two ranks' tensors count
+as the same where every chunk's crc32c agrees (differing bytes escape that with a chance of 2**-32
+per differing chunk). A per-rank tensor's record is checksummed again as it is written (its chunks
+begin after the record's tree, not with the tensor): a second pass, paid only by tensors that
+differ across ranks.
 """
 
 from __future__ import annotations

@@ -14,15 +14,20 @@ and over boxes that several ranks hold.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
+import torch
 
+from bcp.engine.bytes_of import byte_view
+from bcp.engine.checksum import crc_of
 from bcp.errors import MismatchError
 from bcp.layout.coverage import first_cover_problem
 from bcp.layout.dtypes import dtype_from_name, itemsize
 from bcp.layout.box import Box
 from bcp.layout.local_plan import LocalPlan
+from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK
 from bcp.layout.piece import Piece, pad_columns
 from bcp.layout.write_plan import PieceWrite, RankAssignment, SplitPart
 
@@ -129,7 +134,8 @@ def global_plan(p: PlanColumns, split_bytes: int | None = None) -> list[RankAssi
             continue
         ndim = len(p.shapes[gid[box]])
         chosen = np.argsort(load[holders], kind="stable")[:parts]
-        for pick, (start, count) in zip(chosen.tolist(), _split_rows(rows_dim0, parts)):
+        aligned = DEFAULT_CHECKSUM_CHUNK // math.gcd(DEFAULT_CHECKSUM_CHUNK, size // rows_dim0)
+        for pick, (start, count) in zip(chosen.tolist(), _split_rows(rows_dim0, parts, aligned)):
             sub_offsets = offsets[box, :ndim].tolist()
             sub_lengths = lengths[box, :ndim].tolist()
             sub_offsets[0] += start
@@ -157,11 +163,17 @@ def _unique_rows(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return keys[first], first, inverse.reshape(-1)
 
 
-def _split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
-    base, extra = divmod(rows, parts)
+def _split_rows(rows: int, parts: int, aligned: int) -> list[tuple[int, int]]:
+    """``parts`` runs of rows, as even as they can be while each cut falls on a multiple of
+    ``aligned`` rows (a checksum-chunk boundary, so a part's checksums are a slice of the whole
+    piece's where those were computed already), or evenly where the rows are too few for that."""
+    unit = aligned if rows // aligned >= parts else 1
+    base, extra = divmod(rows // unit, parts)
     bounds, start = [], 0
     for i in range(parts):
-        count = base + (1 if i < extra else 0)
+        count = (base + (1 if i < extra else 0)) * unit
+        if i == parts - 1:
+            count = rows - start
         bounds.append((start, count))
         start += count
     return bounds
@@ -196,5 +208,24 @@ def writes_of(pieces: list[Piece], assignment: RankAssignment,
     for part in assignment.parts:
         piece = pieces[part.index]
         region = Box(part.offsets, part.lengths).relative_to(piece.box)
-        out.append(PieceWrite.of(part.index, part, piece.tensor[region.slices()]))
+        tensor = piece.tensor[region.slices()]
+        known = crcs[part.index] if crcs else None
+        out.append(PieceWrite.of(part.index, part, tensor, known and _part_crcs(known, piece, region, tensor)))
     return out
+
+
+def _part_crcs(crcs: list[int], piece: Piece, region: Box, part: torch.Tensor) -> list[int] | None:
+    """The chunk checksums of a part (a run of rows of a contiguous piece) out of the piece's own,
+    where the part starts on a chunk boundary (``_split_rows`` cuts there when it can); only a
+    last chunk that the part shares with the next is checksummed again."""
+    chunk = DEFAULT_CHECKSUM_CHUNK
+    nbytes = part.numel() * part.element_size()
+    start = region.offsets[0] * (piece.nbytes // max(1, piece.box.lengths[0])) if region.offsets else 0
+    if start % chunk or not piece.tensor.is_contiguous():
+        return None
+    first, whole = start // chunk, nbytes // chunk
+    if start + nbytes == piece.nbytes:  # the piece's last part: its last chunk is the piece's
+        return crcs[first:]
+    tail = [] if nbytes % chunk == 0 else \
+        [crc_of(byte_view(piece.tensor.reshape(-1).view(torch.uint8)[start + whole * chunk: start + nbytes]))]
+    return crcs[first:first + whole] + tail
