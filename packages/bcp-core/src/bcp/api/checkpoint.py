@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -68,9 +68,10 @@ class Checkpoint:
         """Bytes read from storage through this checkpoint so far."""
         return self._reader.bytes_read
 
-    def run_reads(self, ops: list[ReadOp]) -> None:
-        """Run planned reads (:meth:`plan`), filling their destinations, on up to ``io_threads`` threads."""
-        self._reader.run(ops, self.io_threads)
+    def run_reads(self, ops: list[ReadOp], on_done: Callable[[ReadOp], None] | None = None) -> None:
+        """Run planned reads (:meth:`plan`), filling their destinations, on up to ``io_threads``
+        threads; ``on_done(op)`` (on a reader thread) once each op's bytes are in place."""
+        self._reader.run(ops, self.io_threads, on_done)
 
     def run_reads_shared(self, ops: list[ReadOp], roles: list[ReadRole], group: Any) -> int:
         """Run planned reads under ``roles`` (one per op: read it, or receive it from the rank that

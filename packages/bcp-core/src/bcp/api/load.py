@@ -28,6 +28,7 @@ from bcp.api.runtime import runtime
 from bcp.api.targets import CheckpointTarget
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
+from bcp.engine.chunked_copies import ChunkedCopies
 from bcp.engine.load_staging import Staging
 from bcp.errors import CheckpointError, CorruptCheckpointError, MismatchError
 from bcp.layout.piece import Piece
@@ -182,15 +183,18 @@ class _Plan:
 
     wanted: Wanted
     ops: list[ReadOp] = field(default_factory=list)
-    #: (live piece, staging tensor) pairs of a transactional or cast load: the reads fill the staging tensors.
+    #: (live piece, staging tensor) pairs of a transactional or cast load, or of pieces in accelerator
+    #: memory: the reads fill the staging tensors.
     staged: list[tuple[Piece, torch.Tensor]] = field(default_factory=list)
-    staging: Staging = field(default_factory=lambda: Staging(runtime().load_staging))
+    staging: Staging = field(default_factory=lambda: Staging(runtime().load_staging, ChunkedCopies(runtime().chunks)))
+    #: Whether staged pieces are placed as soon as they are read (a load that is not transactional).
+    place_as_read: bool = False
 
 
 def _plan(wanted: Wanted, checkpoint: Checkpoint, options: LoadOptions) -> _Plan:
-    plan = _Plan(wanted)
+    plan = _Plan(wanted, place_as_read=not options.transactional)
     pieces, plan.staged = staged(checkpoint.manifest, wanted.pieces, every=options.transactional,
-                                 allocate=plan.staging.allocate)
+                                 allocate=plan.staging.allocate, in_host_memory=plan.staging.in_host_memory)
     plan.ops = checkpoint.plan(pieces)
     return plan
 
@@ -311,7 +315,8 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
     plan: _Plan = planned.value
     with result.stats.phase("read"):
         if roles is None:
-            checkpoint.run_reads(plan.ops)
+            pairs = [(piece.tensor, staging) for piece, staging in plan.staged] if plan.place_as_read else []
+            checkpoint.run_reads(plan.ops, on_done=plan.staging.place_as_read(pairs, plan.ops))
         else:
             result.stats.received_bytes = checkpoint.run_reads_shared(plan.ops, roles, coord.process_group())
         return plan.wanted.read_values(checkpoint, coord, result)

@@ -1,7 +1,8 @@
 """What one process keeps for checkpointing, with one owner and one end.
 
 The Runtime holds the plan cache, the host buffers of asynchronous saves, the background lane
-that commits them in order and the staging buffers of loads; the coordination it uses (bcp's gloo
+that commits them in order, the staging buffers of loads, the accelerator (``device_copies``) and
+the pinned chunks its copies go through (``chunked_copies``); the coordination it uses (bcp's gloo
 side groups, gRPC coordinators) is held by ``bcp.coord`` for the process groups they serve. All of it is released
 
 - when its process group is destroyed (``dist.destroy_process_group()``, with or without a group):
@@ -15,7 +16,8 @@ side groups, gRPC coordinators) is held by ``bcp.coord`` for the process groups 
   everything is released while the interpreter is still whole. A gloo group left to the final
   teardown can abort the process (see ``bcp.coord.side_group``).
 
-``reset_runtime()`` (tests) waits for pending saves and starts afresh, keeping the coordination.
+``reset_runtime()`` (tests) waits for pending saves and starts afresh, keeping the coordination;
+given an accelerator (a test's stand-in for a device), the new runtime copies through it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import torch.distributed as dist
 
 from bcp.coord import release_connections
 from bcp.engine.background import BackgroundLane
+from bcp.engine.chunked_copies import CHUNK_BYTES, PinnedChunks
+from bcp.engine.device_copies import Accelerator, TorchAccelerator
 from bcp.engine.load_staging import LoadStagingPool
 from bcp.engine.shared_memory import shared_memory_available
 from bcp.engine.staging import HostBufferPool
@@ -41,22 +45,27 @@ ABANDON_WAIT_S = 30.0
 class Runtime:
     """A process's checkpointing state."""
 
-    def __init__(self) -> None:
+    def __init__(self, accelerator: Accelerator | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.plan_cache = PlanCache()
+        #: Torch's accelerator (none on a CPU-only machine), or a stand-in a test gives.
+        self.accelerator = accelerator if accelerator is not None else TorchAccelerator()
+        #: The pinned chunks that copies between accelerator and host memory go through.
+        self.chunks = PinnedChunks(self.accelerator, chunk_bytes)
         #: Two sets: the next save stages into one while the previous one still writes from the other.
         #: Shared memory where the platform has it: the writer process reads the staged bytes there.
-        self.buffers = HostBufferPool(max_sets=2, shared=shared_memory_available())
+        self.buffers = HostBufferPool(max_sets=2, shared=shared_memory_available(), accelerator=self.accelerator)
         self.background = BackgroundLane()
         #: The last load's staging buffers, which the next load reuses.
         self.load_staging = LoadStagingPool()
 
     def close(self) -> None:
-        """Wait for every pending save, then release the lane's thread, the cached plans and the
-        load staging buffers."""
+        """Wait for every pending save, then release the lane's thread, the cached plans, the host
+        buffers, the pinned chunks and the load staging buffers."""
         self.background.close()
         self.buffers.clear()
         self.plan_cache.clear()
         self.load_staging.clear()
+        self.chunks.clear()
 
 
 _current = Runtime()
@@ -67,10 +76,11 @@ def runtime() -> Runtime:
     return _current
 
 
-def reset_runtime() -> None:
-    """Wait for this process's pending saves, then replace its runtime with a fresh one."""
+def reset_runtime(accelerator: Accelerator | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
+    """Wait for this process's pending saves, then replace its runtime with a fresh one (copying
+    through ``accelerator``, in chunks of ``chunk_bytes``, where given)."""
     global _current
-    previous, _current = _current, Runtime()
+    previous, _current = _current, Runtime(accelerator, chunk_bytes)
     previous.close()
 
 

@@ -31,6 +31,7 @@ from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import crc_of
+from bcp.engine.chunked_copies import ChunkedCopies
 from bcp.engine.location import Location
 from bcp.engine.staging import stage, staged_nbytes
 from bcp.engine.writer import GenerationWriter, InProcess
@@ -162,8 +163,10 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
     pieces = writes_of(share.pieces, plan.writes, share.crcs)
     manifest_of = _manifest_builder(generation, collected.value.framework, plan, options.step)
     values = values_to_write(coord.rank, share.values, value_digests)
+    tensors = [piece.tensor() for piece in pieces]
+    copies = ChunkedCopies(rt.chunks, tensors)  # here: device copies follow the work queued so far
     if not options.async_save:
-        writer = GenerationWriter(location, generation, threads=options.io_threads)
+        writer = GenerationWriter(location, generation, threads=options.io_threads, copies=copies)
         commit(coord, writer, write_share(coord.rank, writer, pieces, values, stats, monitor=monitor), manifest_of,
                stats, monitor)
         return SaveHandle(location.display, generation, stats, monitor=monitor)
@@ -173,10 +176,11 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
         values = [value.snapshot() for value in values]  # the state may change once save returns
         buffer = rt.buffers.acquire(staged_nbytes(pieces))
         try:
-            pieces = stage(pieces, buffer)
+            pieces = stage(pieces, buffer, copies)
         except BaseException:
             rt.buffers.release(buffer)
             raise
+    from_device = any(copies.holds(tensor) for tensor in tensors)  # then the buffer is worth page-locking
     writer = GenerationWriter(location, generation, threads=options.io_threads, background=True,
                               abandon=rt.background.abandon, in_process=_in_process(rt, location, buffer, options))
     monitor.returned()  # the caller gets control back: the blocking time ends here
@@ -184,8 +188,8 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
     def write() -> Outcome:
         try:
             return write_share(background_coord.rank, writer, pieces, values, stats, monitor=monitor)
-        finally:
-            rt.buffers.release(buffer)  # durable: the next save may stage into it, whatever the barrier does
+        finally:  # durable: the next save may stage into it, whatever the barrier does
+            rt.buffers.release(buffer, pin=from_device)
 
     def commit_in_background(report: Outcome) -> None:
         commit(background_coord, writer, report, manifest_of, stats, monitor)

@@ -1,92 +1,131 @@
-"""Copies between accelerator memory and pinned host memory on a side stream of bcp's own, ordered
-against the stream that produces (or consumes) the tensors by events, never by a device-wide
-synchronize: training's queued kernels keep running while the copies wait only for what they need.
+"""What bcp asks of an accelerator: which tensors live in its memory, queues of asynchronous copies
+between its memory and the host's, and page-locked (pinned) host memory, which those copies need to
+run as DMA at the bus's speed.
 
-Device-generic (``torch.accelerator``, ``torch.Stream``, ``torch.Event``): CUDA, ROCm, XPU alike.
-CPU tensors never come here.
+The runtime holds one :class:`Accelerator`. :class:`TorchAccelerator` is torch's current accelerator
+(CUDA, ROCm, XPU alike, through ``torch.accelerator``, ``torch.Stream`` and ``torch.Event``); on a
+machine without one it holds no tensor and nothing here runs. The pipelines built on it
+(``chunked_copies``) see only this interface, so a test can give the runtime an accelerator whose
+"device memory" is host memory and whose copy engine is a thread, and check their logic on the CPU.
+
+Copies run on a stream of bcp's own, ordered against the stream that produces (or consumes) the
+tensors by events, never by a device-wide synchronize: training's queued kernels keep running while
+the copies wait only for what they need.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
-Pair = tuple[torch.Tensor, torch.Tensor]  # (destination, source)
 
-_streams: dict[torch.device, torch.Stream] = {}
-_lock = threading.Lock()
+class Landing(Protocol):
+    """A queued copy (or the last of several queued in order); a ``torch.Event`` is one."""
 
-
-def copy_stream(device: torch.device) -> torch.Stream:
-    """bcp's copy stream on ``device``, created once per process and device."""
-    with _lock:
-        stream = _streams.get(device)
-        if stream is None:
-            stream = _streams[device] = torch.Stream(device=device)
-        return stream
+    def synchronize(self) -> None:
+        """Block until the copy is complete."""
 
 
-def to_host(pairs: Iterable[Pair]) -> None:
-    """Copy accelerator tensors into pinned host tensors; returns once the bytes are on the host.
+class CopyQueue(Protocol):
+    """Asynchronous copies between one device and host memory, run in the order they are queued,
+    after the work the device's current stream had queued when the queue was opened. Several
+    threads may queue copies at once."""
 
-    Each device's copies start after the work its current stream has queued so far (the producer
-    of the tensors), and only those copies are waited for."""
-    for device, group in _by_device(pairs, source_side=True).items():
-        done = _copy_after(device, group)
-        done.synchronize()
+    def copy(self, dest: torch.Tensor, source: torch.Tensor) -> Landing:
+        """Queue ``dest.copy_(source)``: device to host or host to device. It runs asynchronously
+        where the host side is pinned; the host memory must stay untouched until it has landed."""
 
-
-def to_device(pairs: Iterable[Pair]) -> None:
-    """Copy pinned host tensors into accelerator tensors. The copies start after the work each
-    device's current stream has queued so far (which may still read the old values); that stream
-    waits for them before its next work; returns once the host buffers may be reused."""
-    for device, group in _by_device(pairs, source_side=False).items():
-        done = _copy_after(device, group)
-        torch.accelerator.current_stream(device).wait_event(done)
-        done.synchronize()
+    def hand_over(self) -> None:
+        """The stream that was current when the queue was opened waits for every copy queued so far
+        before its next work: device tensors written by the copies are then safe to use there."""
 
 
-def _copy_after(device: torch.device, pairs: list[Pair]) -> torch.Event:
-    producer = torch.accelerator.current_stream(device)
-    stream = copy_stream(device)
-    stream.wait_stream(producer)
-    with stream:
-        for dest, source in pairs:
+class Accelerator(Protocol):
+    """The accelerator of a process, as bcp uses it."""
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lives in this accelerator's memory."""
+
+    def open_queue(self, device: torch.device) -> CopyQueue:
+        """A queue of copies on ``device``, ordered after the work its current stream holds now
+        (call it on the thread that produced the tensors, or will consume them)."""
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """A page-locked host buffer of ``nbytes`` bytes (uint8)."""
+
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        """Whether ``host`` lies in page-locked memory (copies to and from it are DMA)."""
+
+    def register(self, host: torch.Tensor) -> bool:
+        """Page-lock host memory allocated elsewhere (shared memory, a plain allocation), as if it
+        had been allocated pinned; returns whether it was. Slow: about a second per few GB."""
+
+    def unregister(self, host: torch.Tensor) -> None:
+        """Undo :meth:`register`, before the memory is freed."""
+
+
+class TorchAccelerator:
+    """Torch's current accelerator, or none: where torch has none, it holds no tensor. Nothing here
+    touches the device before a tensor in its memory is met (a forked child may construct one)."""
+
+    def __init__(self) -> None:
+        self._type: str | None = None
+        self._known = False
+        self._streams: dict[torch.device, torch.Stream] = {}
+        self._lock = threading.Lock()
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type != "cpu" and tensor.device.type == self._device_type()
+
+    def open_queue(self, device: torch.device) -> CopyQueue:
+        return _StreamQueue(self._stream(device), torch.accelerator.current_stream(device))
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def is_pinned(self, host: torch.Tensor) -> bool:
+        return self._device_type() is not None and host.is_pinned()
+
+    def register(self, host: torch.Tensor) -> bool:
+        # Only CUDA's driver page-locks memory it did not allocate: elsewhere the memory stays
+        # pageable (copies through it still work, through pinned chunks).
+        if host.numel() == 0 or self._device_type() != "cuda":
+            return False
+        nbytes = host.numel() * host.element_size()
+        return int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)) == 0
+
+    def unregister(self, host: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+
+    def _device_type(self) -> str | None:
+        if not self._known:
+            accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+            self._type, self._known = (accelerator.type if accelerator is not None else None), True
+        return self._type
+
+    def _stream(self, device: torch.device) -> torch.Stream:
+        """bcp's copy stream on ``device``, made once per device."""
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.Stream(device=device)
+            return stream
+
+
+class _StreamQueue:
+    """Copies on bcp's copy stream, which starts after the producer's work queued so far."""
+
+    def __init__(self, stream: torch.Stream, producer: torch.Stream) -> None:
+        stream.wait_stream(producer)
+        self._stream = stream
+        self._producer = producer
+
+    def copy(self, dest: torch.Tensor, source: torch.Tensor) -> Landing:
+        with self._stream:
             dest.copy_(source, non_blocking=True)
-    return stream.record_event()
+        return self._stream.record_event()
 
-
-def _by_device(pairs: Iterable[Pair], *, source_side: bool) -> dict[torch.device, list[Pair]]:
-    groups: dict[torch.device, list[Pair]] = {}
-    for dest, source in pairs:
-        device = source.device if source_side else dest.device
-        groups.setdefault(device, []).append((dest, source))
-    return groups
-
-
-def is_accelerator(tensor: torch.Tensor) -> bool:
-    """Whether the tensor lives in accelerator memory (the copies above apply to it)."""
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return accelerator is not None and tensor.device.type == accelerator.type
-
-
-def pin_host() -> bool:
-    """Whether host buffers should be pinned: an accelerator is present to copy to and from."""
-    return torch.accelerator.is_available()
-
-
-def register_pinned(host: torch.Tensor) -> bool:
-    """Page-lock memory torch did not allocate (shared memory), as ``pin_memory`` would, so copies
-    from the device into it are asynchronous DMA; returns whether it was registered. Only CUDA's
-    driver offers this for foreign memory: elsewhere the memory stays pageable (copies still work,
-    as synchronous ones)."""
-    if host.numel() == 0 or not torch.cuda.is_available():
-        return False
-    return int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel() * host.element_size(), 0)) == 0
-
-
-def unregister_pinned(host: torch.Tensor) -> None:
-    """Undo :func:`register_pinned` before the memory is unmapped."""
-    torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+    def hand_over(self) -> None:
+        self._producer.wait_event(self._stream.record_event())

@@ -3,8 +3,8 @@ process (``writer_process``) reads the staged bytes where the training process c
 copy between the two and no name in ``/dev/shm`` that a crash could leave behind: the memory goes
 when the last process holding it closes it.
 
-Where an accelerator is present the buffer is also registered with the CUDA driver (page-locked),
-as torch's own pinned memory is, so device-to-host copies into it run at the bus's speed.
+The staging pool (``staging``) has a buffer page-locked by the accelerator after its first use, and
+unregisters it before closing it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import os
 import weakref
 
 import torch
-
-from bcp.engine.device_copies import register_pinned, unregister_pinned
 
 _ids = itertools.count(1)
 
@@ -39,15 +37,12 @@ class SharedHostBuffer:
         # until its last view is collected); the mapping goes with the last tensor viewing it.
         self.tensor: torch.Tensor | None = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=nbytes,
                                                            dtype=torch.uint8)
-        self.pinned = register_pinned(self.tensor)
 
     def close(self) -> None:
         """Give the memory back: unmapped here once no tensor views it, and there once the writer
         process has dropped its mapping too."""
         if self.fd < 0:
             return
-        if self.pinned:
-            unregister_pinned(self.tensor)
         self.tensor = None
         self._closer()
         self.fd = -1

@@ -4,9 +4,16 @@ so training may change its tensors as soon as ``save`` returns.
 A pool keeps at most ``max_sets`` buffers (ping-pong: the next save stages into one buffer while
 the previous save is still writing from the other) and reuses them across saves, so host memory
 stays flat. A shared pool's buffers are shared memory (``shared_memory``), which the writer process
-reads from. Where an accelerator is present the buffers are pinned, and tensors in its memory are
-copied on bcp's copy stream after the work queued so far (``device_copies``): staging waits for
-those copies only, not for every kernel training has queued.
+reads from.
+
+Tensors in accelerator memory are copied on bcp's copy stream after the work queued so far
+(``device_copies``): staging waits for those copies only, not for every kernel training has
+queued. They copy fastest into page-locked (pinned) memory, but page-locking a buffer the size of
+the state costs about a second per few GB, which the first save would pay on the training thread.
+So a buffer starts pageable: its first save copies through the pool of pinned chunks
+(``chunked_copies``: the host moves chunk k into place while the device copies chunk k+1), and
+once that save's write is done a thread of the pool page-locks (registers) the buffer, so the
+saves after it copy straight into it.
 """
 
 from __future__ import annotations
@@ -15,7 +22,8 @@ import threading
 
 import torch
 
-from bcp.engine.device_copies import is_accelerator, pin_host, to_host
+from bcp.engine.chunked_copies import ChunkedCopies
+from bcp.engine.device_copies import Accelerator
 from bcp.engine.shared_memory import SharedHostBuffer
 from bcp.layout.write_plan import PieceWrite
 
@@ -32,20 +40,26 @@ def staged_nbytes(writes: list[PieceWrite]) -> int:
 
 class HostBufferPool:
     """Reusable host buffers; ``acquire`` blocks while ``max_sets`` buffers are in use. With
-    ``shared``, every buffer is shared memory (:meth:`shared_of` gives its descriptor)."""
+    ``shared``, every buffer is shared memory (:meth:`shared_of` gives its descriptor). A buffer
+    that took copies from the ``accelerator`` is page-locked by it after that use, on a thread of
+    the pool (:meth:`release`)."""
 
-    def __init__(self, max_sets: int = 2, shared: bool = False) -> None:
+    def __init__(self, max_sets: int = 2, shared: bool = False, accelerator: Accelerator | None = None) -> None:
         self.max_sets = max_sets
         self.shared = shared
+        self.accelerator = accelerator
         self._free: list[torch.Tensor] = []
         self._in_use = 0
         self._allocated = 0
         self._shared: dict[int, SharedHostBuffer] = {}  # id(tensor) -> its shared memory
+        self._registered: dict[int, int] = {}  # id(tensor) -> bytes page-locked (0: refused), once tried
+        self._registering: list[threading.Thread] = []
         self._cond = threading.Condition()
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         with self._cond:
-            while self._in_use >= self.max_sets:
+            # A buffer being registered is about to be free, and pinned: better than a fresh one.
+            while self._in_use >= self.max_sets or self._registering:
                 self._cond.wait()
             self._in_use += 1
             fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
@@ -60,14 +74,22 @@ class HostBufferPool:
             with self._cond:
                 self._in_use -= 1
                 self._allocated -= nbytes
-                self._cond.notify()
+                self._cond.notify_all()
             raise
 
-    def release(self, buffer: torch.Tensor) -> None:
+    def release(self, buffer: torch.Tensor, *, pin: bool = False) -> None:
+        """The buffer is free again. With ``pin`` (it took copies from accelerator memory), one never
+        page-locked is registered first, on a thread of the pool; a save that wants a buffer
+        meanwhile waits for it."""
         with self._cond:
-            self._free.append(buffer)
             self._in_use -= 1
-            self._cond.notify()
+            if not pin or self.accelerator is None or id(buffer) in self._registered:
+                self._free.append(buffer)
+            else:
+                registering = threading.Thread(target=self._register, args=(buffer,), name="bcp-pin", daemon=True)
+                self._registering.append(registering)
+                registering.start()
+            self._cond.notify_all()
 
     def shared_of(self, buffer: torch.Tensor) -> SharedHostBuffer | None:
         """The shared memory behind one of this pool's buffers (None in a pool that is not shared)."""
@@ -82,6 +104,8 @@ class HostBufferPool:
     def clear(self) -> None:
         """Give back the memory of the buffers not in use (call it once no save is pending)."""
         with self._cond:
+            while self._registering:
+                self._cond.wait()
             while self._free:
                 self._drop(self._free.pop())
 
@@ -91,33 +115,52 @@ class HostBufferPool:
         with self._cond:
             return self._allocated
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Of that memory, the part page-locked by the accelerator (buffers that took its copies)."""
+        with self._cond:
+            return sum(self._registered.values())
+
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if not self.shared:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_host())
+            return torch.empty(nbytes, dtype=torch.uint8)
         shared = SharedHostBuffer(nbytes)
         with self._cond:
             self._shared[id(shared.tensor)] = shared
         return shared.tensor
 
+    def _register(self, buffer: torch.Tensor) -> None:
+        try:
+            registered = self.accelerator.register(buffer)
+        except Exception:  # noqa: BLE001 - the buffer stays pageable: later saves copy through chunks
+            registered = False
+        with self._cond:
+            self._registered[id(buffer)] = buffer.numel() if registered else 0
+            self._free.append(buffer)
+            self._registering.remove(threading.current_thread())
+            self._cond.notify_all()
+
     def _drop(self, buffer: torch.Tensor) -> None:  # under the lock
         self._allocated -= buffer.numel()
+        if self._registered.pop(id(buffer), 0):
+            self.accelerator.unregister(buffer)
         shared = self._shared.pop(id(buffer), None)
         if shared is not None:
             shared.close()
 
 
-def stage(writes: list[PieceWrite], buffer: torch.Tensor) -> list[PieceWrite]:
+def stage(writes: list[PieceWrite], buffer: torch.Tensor, copies: ChunkedCopies) -> list[PieceWrite]:
     """Copy each write's tensor into ``buffer``; the returned writes read from the copies."""
     staged, offset, from_device = [], 0, []
     for write in writes:
         t = write.tensor()
         nbytes = write.nbytes
         view = buffer[offset: offset + nbytes].view(t.dtype).view(t.shape)
-        if is_accelerator(t):
+        if copies.holds(t):
             from_device.append((view, t))
         else:
             view.copy_(t)
         staged.append(PieceWrite(write.index, write.part, view, nbytes, write.crcs))
         offset += _aligned(nbytes)
-    to_host(from_device)
+    copies.to_host(from_device)
     return staged

@@ -7,6 +7,10 @@ pieces are then staged in shared memory, and the writer process writes and check
 this process only waits for its answer. Each large piece then lies in its file at the same place
 modulo a page as in the shared buffer, so that the disk can read it straight from there (direct I/O).
 
+Pieces in accelerator memory are written through a few pinned host chunks (``chunked_copies``):
+the device copy of the next chunks runs while the writer thread checksums and writes the current
+one, so host memory holds a few chunks per thread, not the pieces.
+
 Pieces may be produced lazily (the tools that stream one checkpoint into another): each writer
 thread asks for one piece's tensor when it reaches it and releases it right after, so memory holds
 about one piece per thread however large the checkpoint is.
@@ -16,18 +20,21 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterator, Sequence
 
 import torch
 
-from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import chunk_crcs, joined_chunk_crcs
+from bcp.engine.chunked_copies import ChunkedCopies, Source
 from bcp.engine.location import Location, data_file_name
 from bcp.engine.priority import lower_this_thread
 from bcp.engine.shared_memory import SharedHostBuffer
 from bcp.engine import writer_process
 from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
+from bcp.storage.base import streamed_from
 from bcp.storage.local import DIRECT_ALIGN, DIRECT_MIN_BYTES
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.write_plan import PieceWrite, ValueWrite
@@ -62,7 +69,8 @@ class GenerationWriter:
 
     def __init__(self, location: Location, generation: int, *, threads: int,
                  chunk: int = DEFAULT_CHECKSUM_CHUNK, background: bool = False,
-                 abandon: threading.Event | None = None, in_process: InProcess | None = None) -> None:
+                 abandon: threading.Event | None = None, in_process: InProcess | None = None,
+                 copies: ChunkedCopies | None = None) -> None:
         self.location = location
         self.generation = generation
         self.threads = threads
@@ -73,11 +81,13 @@ class GenerationWriter:
         self.abandon = abandon
         #: Where set, the writer process writes the files (from the staged shared buffer).
         self.in_process = in_process
+        #: How pieces in accelerator memory reach the host (made where the pieces were produced).
+        self.copies = copies if copies is not None else ChunkedCopies.for_host()
 
     def write_rank(self, rank: int, pieces: Sequence[PieceWrite], values: Sequence[ValueWrite],
                    on_written: Callable[[int], None] | None = None) -> RankWrites:
         """Write this rank's data files and report where everything lies; ``on_written(nbytes)``
-        after each piece (from a writer thread)."""
+        after each piece, or each chunk of a piece in accelerator memory (from a writer thread)."""
         items = [_Item(p.nbytes, piece=p) for p in pieces] + [_Item(v.nbytes, value=v) for v in values]
         total = sum(item.nbytes for item in items)
         threads = self.threads if self.in_process is None else min(self.threads, writer_process.FILES_AT_ONCE)
@@ -158,27 +168,39 @@ class GenerationWriter:
         crcs: list[list[int]] = []
         chunk = self.chunk
 
-        def stream() -> Iterator[memoryview]:
-            for item in items:
-                if self.abandon is not None and self.abandon.is_set():
-                    raise SaveAbandonedError(f"the save of generation {self.generation} was abandoned "
-                                             f"before {name} was complete", path=self.location.display)
-                known = self._known_crcs(item)
-                if item.value is not None:
-                    crcs.append(known or joined_chunk_crcs(item.value.parts, chunk))
-                    yield from map(memoryview, item.value.parts)
-                    continue
-                data = byte_view(host_contiguous(_produced(item.piece)))
-                crcs.append(known or chunk_crcs(data, chunk))
-                yield data
-                if on_written is not None:
-                    on_written(data.nbytes)
-                del data  # a produced piece is released before the next one is made
+        reused_from = streamed_from(self.location.storage)
+        computing = False  # whether the current item's checksums are computed from its views
 
+        def stream() -> Iterator[memoryview]:
+            nonlocal computing
+            views = self.copies.write_views([_source(item) for item in items], multiple_of=chunk,
+                                            reused_from=reused_from)
+            with closing(views):
+                for index, data in views:
+                    if self.abandon is not None and self.abandon.is_set():
+                        raise SaveAbandonedError(f"the save of generation {self.generation} was abandoned "
+                                                 f"before {name} was complete", path=self.location.display)
+                    item = items[index]
+                    if index == len(crcs):  # the item's first view
+                        known = self._known_crcs(item)
+                        if known is None and item.value is not None:
+                            known = joined_chunk_crcs(item.value.parts, chunk)
+                        computing = known is None
+                        crcs.append([] if computing else known)
+                    if computing:  # a piece's views are whole checksum chunks but the last
+                        crcs[index].extend(chunk_crcs(data, chunk))
+                    yield data
+                    if on_written is not None and item.piece is not None:
+                        on_written(data.nbytes)
+                    del data  # a produced piece is released before the next one is made
+
+        views = stream()
         try:
-            self.location.storage.write_file(self.location.name(self.generation, name), stream())
+            self.location.storage.write_file(self.location.name(self.generation, name), views)
         except OSError as exc:
             raise StorageError(f"writing {name} failed: {exc}", path=self.location.display) from exc
+        finally:  # now, not when the error's traceback lets go of it: its chunks go back to the pool
+            views.close()
         return crcs
 
 
@@ -189,6 +211,14 @@ def _serialized(callback: Callable[[int], None]) -> Callable[[int], None]:
         with lock:
             callback(nbytes)
     return call
+
+
+def _source(item: _Item) -> Source:
+    """What an item writes: a value's parts, a piece's tensor (checked now), or a function that
+    produces a streamed piece's tensor when the writer reaches it."""
+    if item.piece is None:
+        return tuple(map(memoryview, item.value.parts))
+    return partial(_produced, item.piece) if callable(item.piece.data) else _produced(item.piece)
 
 
 def _produced(write: PieceWrite) -> torch.Tensor:

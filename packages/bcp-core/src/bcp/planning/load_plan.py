@@ -33,16 +33,19 @@ def check_meta(manifest: Manifest, name: str, dtype: torch.dtype, shape: tuple[i
                             f"{list(shape)}", path=path, key=name)
 
 
-def staged(manifest: Manifest, pieces: list[Piece], *, every: bool,
-           allocate: Allocate | None = None) -> tuple[list[Piece], list[tuple[Piece, torch.Tensor]]]:
+def staged(manifest: Manifest, pieces: list[Piece], *, every: bool, allocate: Allocate | None = None,
+           in_host_memory: Callable[[torch.Tensor], bool] | None = None,
+           ) -> tuple[list[Piece], list[tuple[Piece, torch.Tensor]]]:
     """The pieces to read, and (live piece, staging tensor) pairs to place once read: a piece is
     read into a staging tensor of the saved dtype when ``every`` (a transactional load), when its
     dtype is not the saved one (a cast load; placing converts), or when it is not in host memory
-    (reads land in host memory). ``allocate`` makes the staging tensors (``torch.empty`` by default)."""
+    (reads land in host memory; ``in_host_memory`` tells, by default a CPU tensor is).
+    ``allocate`` makes the staging tensors (``torch.empty`` by default)."""
+    on_host = in_host_memory or (lambda tensor: tensor.device.type == "cpu")
     reads, wanted = [], []
     for piece in pieces:
         saved = dtype_from_name(manifest.tensors[piece.name].dtype)
-        if not every and piece.dtype == saved and piece.tensor.device.type == "cpu":
+        if not every and piece.dtype == saved and on_host(piece.tensor):
             reads.append(piece)
         else:
             wanted.append((piece, saved))

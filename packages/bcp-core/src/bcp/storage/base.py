@@ -46,3 +46,11 @@ class Storage(Protocol):
 
     def delete_tree(self, prefix: str) -> None:
         """Remove everything under ``prefix``; absent is not an error."""
+
+
+def streamed_from(storage: Storage) -> int | None:
+    """The chunk size from which ``storage.write_file`` has written a chunk by the time it asks for
+    the next one, so that the caller may reuse that chunk's memory; None where it may keep every
+    chunk until the end (an upload retried whole, a join). A backend promises it with a
+    ``streams_chunks_from`` attribute; smaller chunks may be gathered with the ones after them."""
+    return getattr(storage, "streams_chunks_from", None)

@@ -46,6 +46,10 @@ class LocalStorage(Storage):
     are read (``OSError`` otherwise); a failed write removes its partial file, so that a full disk is
     not left fuller."""
 
+    #: ``write_file`` writes a chunk of this size or more (and any gathered before it) before it
+    #: asks for the next (``storage.base.streamed_from``); smaller ones are gathered into one call.
+    streams_chunks_from = _WRITE_BATCH_BYTES
+
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = os.path.abspath(os.fspath(root))
 
