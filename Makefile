@@ -1,7 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Both set up .venv on first use.
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-quick bench bench-full bench-docs proto clean
+.PHONY: setup demo test test-quick bench bench-full bench-docs gpu-check proto clean
 
 setup:
 	@scripts/bootstrap.sh
@@ -27,6 +27,12 @@ bench-full: setup
 # docs/benchmarks.md's generated blocks from the newest full run (or RESULT=benchmarks/results/<run>.json).
 bench-docs: setup
 	$(PY) benchmarks/publish.py $(RESULT)
+
+# On a CUDA machine: the accelerator tests and a short benchmark against the hardware's floors and DCP,
+# with the interpreter that holds CUDA torch (PYTHON=..., default python3), not .venv; elsewhere it
+# says it skips. See docs/benchmarks.md, "On a GPU".
+gpu-check:
+	@scripts/gpu_check.sh
 
 # The gRPC coordinator's Python stubs, regenerated from its .proto (committed; rerun after editing it).
 proto: setup
