@@ -53,6 +53,7 @@ TARGETS = {  # what the report checks, each against its floor (higher ratios are
     "load warm": 1 / 1.2,
 }
 FIRST_SAVE_LIMIT = 2.0  # the first async save's blocking, in steady saves' blocking
+PINNING = "allocating pinned memory of the state's size"
 
 
 def parse() -> argparse.Namespace:
@@ -79,6 +80,7 @@ class Run:
     workdir: str
     seconds: dict[str, list[float]] = field(default_factory=dict)
     checks: dict[str, bool] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
 
     def timed(self, case: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on every rank from a common start; note the slowest rank's seconds until its
@@ -206,7 +208,7 @@ def floors(args: argparse.Namespace, run: Run, tensors: list[torch.Tensor]) -> N
     """The hardware's floors for this rank's bytes, every rank at once."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     pinned = run.device.type != "cpu"
-    host = run.timed("pinning the state's size", lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned))
+    host = run.timed(PINNING, lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned))
     views, at = [], 0
     for tensor in tensors:
         views.append(host[at: at + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape))
@@ -245,6 +247,7 @@ def bcp_cases(args: argparse.Namespace, run: Run, model: nn.Module, optimizer: t
     runtime().chunks.clear()
     for case in ["bcp async save, first"] + ["bcp async save, steady"] * args.reps:
         run.timed_async(case, lambda: bcp.save(path, state, async_save=True, **options), lambda handle: handle.wait())
+    steps_beside_first_save(run, model, optimizer, lambda: bcp.save(path, state, async_save=True, **options))
     train_step(model, optimizer, run.device)
     handle = bcp.save(path, state, async_save=True, **options)  # right after the step: its kernels may be queued
     at_call = snapshot(model, optimizer)
@@ -252,6 +255,27 @@ def bcp_cases(args: argparse.Namespace, run: Run, model: nn.Module, optimizer: t
     handle.wait()
     bcp.load(path, state, generation=handle.generation, **options)
     run.check("async save after a step, training going on: bitwise", same(model, optimizer, at_call))
+
+
+def steps_beside_first_save(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer,
+                            save: Callable[[], bcp.SaveHandle]) -> None:
+    """Training steps while a process's first asynchronous save writes and its staging buffer is
+    page-locked afterwards (on a thread of bcp's pool), against the same steps alone: as many as
+    take about 8 s alone, the same number on every rank."""
+    def steps(count: int) -> None:
+        for _ in range(count):
+            train_step(model, optimizer, run.device)
+            synchronize(run.device)
+
+    ten = run.timed("10 training steps", lambda: steps(10))
+    count = max(10, min(5000, int(80 / max(ten, 1e-4))))
+    run.timed("training steps alone", lambda: steps(count))
+    runtime().buffers.clear()
+    runtime().chunks.clear()
+    handle = save()
+    run.timed("training steps beside the first async save", lambda: steps(count))
+    run.notes["page-locked within the steps"] = runtime().buffers.pinned_bytes > 0
+    handle.wait()
 
 
 def dcp_cases(args: argparse.Namespace, run: Run, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -319,13 +343,17 @@ def report(args: argparse.Namespace, run: Run, state_bytes: int) -> tuple[str, d
                f"{_verdict(ratios['load cold'] >= TARGETS['load cold'])}",
                f"warm load within 1.2x a pinned copy to the device: {1 / ratios['load warm']:.2f}x it "
                f"{_verdict(ratios['load warm'] >= TARGETS['load warm'])}",
-               f"every case bitwise: {_verdict(all(run.checks.values()))} "
+               f"every check held (bitwise loads): {_verdict(all(run.checks.values()))} "
                f"({', '.join(name for name, ok in run.checks.items() if not ok) or f'{len(run.checks)} checks'})"]
-    floors_line = (f"pinning {state_bytes / 2**30:.2f} GiB took {m('pinning the state' + chr(39) + 's size'):.2f} s; "
+    beside = m("training steps alone") / m("training steps beside the first async save")
+    locked = run.notes["page-locked within the steps"]
+    targets.append(f"training beside the first async save (its write, then its buffer's page-locking, "
+                   f"{'done' if locked else 'not done'} by the last step): {beside:.2f}x the step rate alone")
+    floors_line = (f"pinning {state_bytes / 2**30:.2f} GiB took {m(PINNING):.2f} s; "
                    f"device -> pinned {state_bytes / m('device -> pinned copy') / 1e9:.1f} GB/s, "
                    f"pinned -> device {state_bytes / m('pinned -> device copy') / 1e9:.1f} GB/s (per rank)")
     text = "\n".join([*lines, "", floors_line, "", "Targets:", *[f"- {t}" for t in targets]])
-    return text, {"ratios": ratios, "first_to_steady": first}
+    return text, {"ratios": ratios, "first_to_steady": first, "steps_beside_first_save": beside, **run.notes}
 
 
 def _verdict(ok: bool) -> str:

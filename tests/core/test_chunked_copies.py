@@ -14,6 +14,7 @@ overlap and memory. What they must show:
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 
@@ -116,6 +117,36 @@ def test_small_device_tensors_and_short_last_chunks_survive_a_storage_that_gathe
     state["w"] = on_device(device, {"w": torch.randn(2 * FLOATS + 1000)})["w"]
     assert streamed_from(LocalStorage(tmp_path)) == CHUNK
     bcp.save(tmp_path, {"model": state}, io_threads=1)
+    assert_bitwise(loaded(tmp_path, state), host_copy(state))
+
+
+class FillingDisk(LocalStorage):
+    """The local file system on a disk that is full after ``chunks`` chunks of data files: the next
+    write fails with ENOSPC, as a full disk does (a test cannot fill this machine's disk)."""
+
+    def __init__(self, root, chunks: int) -> None:
+        super().__init__(root)
+        self.left = chunks
+
+    def write_file(self, name, chunks) -> None:
+        super().write_file(name, self._until_full(chunks) if "/data/" in name else chunks)
+
+    def _until_full(self, chunks):
+        for chunk in chunks:
+            if self.left == 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.left -= 1
+            yield chunk
+
+
+def test_a_save_that_fails_mid_tensor_gives_every_chunk_back(tmp_path, device):
+    state = on_device(device, {"w": torch.randn(6 * FLOATS)})
+    with pytest.raises(bcp.CheckpointError, match="No space left"):
+        bcp.save(FillingDisk(tmp_path, chunks=2), {"model": state}, io_threads=1)
+    pinned = len(device.of(PINNED))
+    assert 0 < pinned <= AHEAD + 1
+    bcp.save(tmp_path, {"model": state}, io_threads=1)
+    assert len(device.of(PINNED)) == pinned  # the failed save's chunks, all back in the pool
     assert_bitwise(loaded(tmp_path, state), host_copy(state))
 
 

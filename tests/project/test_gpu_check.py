@@ -45,5 +45,5 @@ def test_on_the_cpu_its_steps_run_end_to_end_with_their_checks(tmp_path):
                  GPU_CHECK_ARGS=f"--device cpu --layers 1 --width 128 --reps 1 --no-dcp --json {figures}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "gpu-check: tests passed; benchmark checks passed" in done.stdout
-    assert "every case bitwise: met" in done.stdout and "| bcp sync save |" in done.stdout
+    assert "every check held (bitwise loads): met" in done.stdout and "| bcp sync save |" in done.stdout
     assert figures.exists()

@@ -154,7 +154,7 @@ class ChunkedCopies:
                     yield index, byte_view(host_contiguous(item))
                 else:
                     for _ in range(-(-item.numel() * item.element_size() // step)):
-                        self._queue_ahead(ahead, jobs, step)
+                        self._queue_ahead(ahead, jobs)
                         chunk = ahead[0]
                         chunk.landing.synchronize()
                         data = chunk.buffer[: chunk.nbytes]
@@ -177,7 +177,7 @@ class ChunkedCopies:
                 for offset, parts in _chunks_of(device, self._chunks.chunk_bytes))
         ahead: deque[_Chunk] = deque()
         try:
-            while self._queue_ahead(ahead, jobs, self._chunks.chunk_bytes) or ahead:
+            while self._queue_ahead(ahead, jobs) or ahead:
                 chunk = ahead[0]
                 chunk.landing.synchronize()
                 host = bounced[chunk.source][0]
@@ -235,7 +235,7 @@ class ChunkedCopies:
                 for offset, parts in _chunks_of(source, step):
                     yield index, offset, parts
 
-    def _queue_ahead(self, ahead: deque[_Chunk], jobs: Iterator, step: int) -> bool:
+    def _queue_ahead(self, ahead: deque[_Chunk], jobs: Iterator) -> bool:
         """Queue chunk copies until ``AHEAD`` wait beyond the one in use; whether any was queued."""
         queued = False
         while len(ahead) <= AHEAD and (job := next(jobs, None)) is not None:

@@ -60,7 +60,8 @@ class Accelerator(Protocol):
 
     def register(self, host: torch.Tensor) -> bool:
         """Page-lock host memory allocated elsewhere (shared memory, a plain allocation), as if it
-        had been allocated pinned; returns whether it was. Slow: about a second per few GB."""
+        had been allocated pinned; False where the accelerator cannot, an error where it failed.
+        Slow: about a second per few GB."""
 
     def unregister(self, host: torch.Tensor) -> None:
         """Undo :meth:`register`, before the memory is freed."""
@@ -94,7 +95,10 @@ class TorchAccelerator:
         if host.numel() == 0 or self._device_type() != "cuda":
             return False
         nbytes = host.numel() * host.element_size()
-        return int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)) == 0
+        error = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0))
+        if error:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {error}")
+        return True
 
     def unregister(self, host: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(host.data_ptr())

@@ -18,6 +18,7 @@ saves after it copy straight into it.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
@@ -28,6 +29,8 @@ from bcp.engine.shared_memory import SharedHostBuffer
 from bcp.layout.write_plan import PieceWrite
 
 ALIGN = 64  # every staged piece starts on a 64-byte boundary: any dtype view of it is aligned
+
+logger = logging.getLogger("bcp")
 
 
 def _aligned(n: int) -> int:
@@ -132,7 +135,9 @@ class HostBufferPool:
     def _register(self, buffer: torch.Tensor) -> None:
         try:
             registered = self.accelerator.register(buffer)
-        except Exception:  # noqa: BLE001 - the buffer stays pageable: later saves copy through chunks
+        except Exception as exc:  # noqa: BLE001 - the buffer stays pageable: later saves copy through chunks
+            logger.warning("bcp: could not page-lock a %d-byte staging buffer (%r): asynchronous saves into it "
+                           "copy through pinned chunks", buffer.numel(), exc)
             registered = False
         with self._cond:
             self._registered[id(buffer)] = buffer.numel() if registered else 0
