@@ -95,14 +95,14 @@ class SimulatedAccelerator:
         with self._lock:
             return any(start <= address < start + nbytes for start, nbytes in self._pinned.items())
 
-    def register(self, host: torch.Tensor) -> bool:
+    def register(self, host: torch.Tensor, device: torch.device) -> bool:
         nbytes = host.numel() * host.element_size()
         with self._lock:
             self._pinned[host.data_ptr()] = nbytes
         self.note(REGISTERED, "", nbytes)
         return True
 
-    def unregister(self, host: torch.Tensor) -> None:
+    def unregister(self, host: torch.Tensor, device: torch.device) -> None:
         with self._lock:
             self._pinned.pop(host.data_ptr(), None)
 

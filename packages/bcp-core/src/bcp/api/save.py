@@ -180,7 +180,8 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
         except BaseException:
             rt.buffers.release(buffer)
             raise
-    from_device = any(copies.holds(tensor) for tensor in tensors)  # then the buffer is worth page-locking
+    # A buffer that takes copies from the accelerator is worth page-locking, for that device.
+    copied_from = next((tensor.device for tensor in tensors if copies.holds(tensor)), None)
     writer = GenerationWriter(location, generation, threads=options.io_threads, background=True,
                               abandon=rt.background.abandon, in_process=_in_process(rt, location, buffer, options))
     monitor.returned()  # the caller gets control back: the blocking time ends here
@@ -189,7 +190,7 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
         try:
             return write_share(background_coord.rank, writer, pieces, values, stats, monitor=monitor)
         finally:  # durable: the next save may stage into it, whatever the barrier does
-            rt.buffers.release(buffer, pin=from_device)
+            rt.buffers.release(buffer, copied_from=copied_from)
 
     def commit_in_background(report: Outcome) -> None:
         commit(background_coord, writer, report, manifest_of, stats, monitor)

@@ -20,6 +20,10 @@ from typing import Protocol
 
 import torch
 
+# cudaHostRegisterPortable: page-locked for every CUDA context of the process, not only the one
+# current at the call.
+_REGISTER_PORTABLE = 1
+
 
 class Landing(Protocol):
     """A queued copy (or the last of several queued in order); a ``torch.Event`` is one."""
@@ -58,12 +62,12 @@ class Accelerator(Protocol):
     def is_pinned(self, host: torch.Tensor) -> bool:
         """Whether ``host`` lies in page-locked memory (copies to and from it are DMA)."""
 
-    def register(self, host: torch.Tensor) -> bool:
-        """Page-lock host memory allocated elsewhere (shared memory, a plain allocation), as if it
-        had been allocated pinned; False where the accelerator cannot, an error where it failed.
-        Slow: about a second per few GB."""
+    def register(self, host: torch.Tensor, device: torch.device) -> bool:
+        """Page-lock host memory allocated elsewhere (shared memory, a plain allocation) for copies
+        with ``device``, as if it had been allocated pinned; False where the accelerator cannot, an
+        error where it failed. Slow: about a second per few GB. Any thread may call it."""
 
-    def unregister(self, host: torch.Tensor) -> None:
+    def unregister(self, host: torch.Tensor, device: torch.device) -> None:
         """Undo :meth:`register`, before the memory is freed."""
 
 
@@ -89,19 +93,22 @@ class TorchAccelerator:
     def is_pinned(self, host: torch.Tensor) -> bool:
         return self._device_type() is not None and host.is_pinned()
 
-    def register(self, host: torch.Tensor) -> bool:
+    def register(self, host: torch.Tensor, device: torch.device) -> bool:
         # Only CUDA's driver page-locks memory it did not allocate: elsewhere the memory stays
-        # pageable (copies through it still work, through pinned chunks).
+        # pageable (copies through it still work, through pinned chunks). On the device the copies
+        # use: a thread's default device (0) would get a context of its own on every rank.
         if host.numel() == 0 or self._device_type() != "cuda":
             return False
         nbytes = host.numel() * host.element_size()
-        error = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0))
+        with torch.cuda.device(device):
+            error = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, _REGISTER_PORTABLE))
         if error:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {error}")
         return True
 
-    def unregister(self, host: torch.Tensor) -> None:
-        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+    def unregister(self, host: torch.Tensor, device: torch.device) -> None:
+        with torch.cuda.device(device):
+            torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
     def _device_type(self) -> str | None:
         if not self._known:

@@ -55,7 +55,8 @@ class HostBufferPool:
         self._in_use = 0
         self._allocated = 0
         self._shared: dict[int, SharedHostBuffer] = {}  # id(tensor) -> its shared memory
-        self._registered: dict[int, int] = {}  # id(tensor) -> bytes page-locked (0: refused), once tried
+        #: id(tensor) -> (bytes page-locked, 0 where refused; the device it was registered for), once tried
+        self._registered: dict[int, tuple[int, torch.device]] = {}
         self._registering: list[threading.Thread] = []
         self._cond = threading.Condition()
 
@@ -80,16 +81,17 @@ class HostBufferPool:
                 self._cond.notify_all()
             raise
 
-    def release(self, buffer: torch.Tensor, *, pin: bool = False) -> None:
-        """The buffer is free again. With ``pin`` (it took copies from accelerator memory), one never
-        page-locked is registered first, on a thread of the pool; a save that wants a buffer
-        meanwhile waits for it."""
+    def release(self, buffer: torch.Tensor, *, copied_from: torch.device | None = None) -> None:
+        """The buffer is free again. One that took copies from the accelerator device
+        ``copied_from`` and was never page-locked is registered for it first, on a thread of the
+        pool; a save that wants a buffer meanwhile waits for it."""
         with self._cond:
             self._in_use -= 1
-            if not pin or self.accelerator is None or id(buffer) in self._registered:
+            if copied_from is None or self.accelerator is None or id(buffer) in self._registered:
                 self._free.append(buffer)
             else:
-                registering = threading.Thread(target=self._register, args=(buffer,), name="bcp-pin", daemon=True)
+                registering = threading.Thread(target=self._register, args=(buffer, copied_from), name="bcp-pin",
+                                               daemon=True)
                 self._registering.append(registering)
                 registering.start()
             self._cond.notify_all()
@@ -122,7 +124,7 @@ class HostBufferPool:
     def pinned_bytes(self) -> int:
         """Of that memory, the part page-locked by the accelerator (buffers that took its copies)."""
         with self._cond:
-            return sum(self._registered.values())
+            return sum(nbytes for nbytes, _ in self._registered.values())
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
         if not self.shared:
@@ -132,23 +134,24 @@ class HostBufferPool:
             self._shared[id(shared.tensor)] = shared
         return shared.tensor
 
-    def _register(self, buffer: torch.Tensor) -> None:
+    def _register(self, buffer: torch.Tensor, device: torch.device) -> None:
         try:
-            registered = self.accelerator.register(buffer)
+            registered = self.accelerator.register(buffer, device)
         except Exception as exc:  # noqa: BLE001 - the buffer stays pageable: later saves copy through chunks
             logger.warning("bcp: could not page-lock a %d-byte staging buffer (%r): asynchronous saves into it "
                            "copy through pinned chunks", buffer.numel(), exc)
             registered = False
         with self._cond:
-            self._registered[id(buffer)] = buffer.numel() if registered else 0
+            self._registered[id(buffer)] = (buffer.numel() if registered else 0, device)
             self._free.append(buffer)
             self._registering.remove(threading.current_thread())
             self._cond.notify_all()
 
     def _drop(self, buffer: torch.Tensor) -> None:  # under the lock
         self._allocated -= buffer.numel()
-        if self._registered.pop(id(buffer), 0):
-            self.accelerator.unregister(buffer)
+        nbytes, device = self._registered.pop(id(buffer), (0, None))
+        if nbytes:
+            self.accelerator.unregister(buffer, device)
         shared = self._shared.pop(id(buffer), None)
         if shared is not None:
             shared.close()
