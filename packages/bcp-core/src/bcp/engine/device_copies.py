@@ -82,7 +82,8 @@ class TorchAccelerator:
         self._lock = threading.Lock()
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type != "cpu" and tensor.device.type == self._device_type()
+        # ``is_cpu`` first: asked for every tensor a save writes, and ``device`` makes an object
+        return not tensor.is_cpu and tensor.device.type == self._device_type()
 
     def open_queue(self, device: torch.device) -> CopyQueue:
         return _StreamQueue(self._stream(device), torch.accelerator.current_stream(device))
