@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import bcp
+from bcp.integration import reset_runtime
 from bcp.tools import open_checkpoint, read_tensor
 from models import assert_bitwise, build, model_state, rank, read_manifest, train
 
@@ -206,3 +207,30 @@ def test_a_large_replicated_tensor_is_written_in_parts_with_the_checksums_comput
     assert {s.bytes.file for s in entry.shards} == {0, 1}  # one part by each rank
     g = torch.Generator().manual_seed(0)
     assert torch.equal(read_tensor(path, "ema/big"), torch.randn(3000, 2048, generator=g))  # every chunk verified
+
+
+@pytest.fixture
+def device():
+    from simulated_accelerator import SimulatedAccelerator
+
+    accelerator = SimulatedAccelerator()
+    reset_runtime(accelerator, chunk_bytes=1 << 20)
+    yield accelerator
+    bcp.shutdown()
+    accelerator.close()
+
+
+def test_plain_tensors_in_accelerator_memory_are_checksummed_and_written_through_the_pinned_chunks(tmp_path, device):
+    from simulated_accelerator import COPIED, TO_HOST
+
+    ema = {"w": torch.randn(4 << 20), "b": torch.randn(1000)}  # 16 MiB and 4 KB "on the device"
+    device.adopt(*ema.values())
+    expected = {name: value.clone() for name, value in ema.items()}
+    bcp.save(tmp_path, {"ema": ema}, io_threads=1)
+    to_host = [e.nbytes for e in device.of(COPIED, TO_HOST)]
+    assert max(to_host) == 1 << 20  # chunk by chunk, never the tensor at once
+    assert sum(to_host) == 2 * (16 << 20) + 2 * 4000  # once for the checksums, once for the write
+    live = {"w": torch.zeros(4 << 20), "b": torch.zeros(1000)}
+    device.adopt(*live.values())
+    bcp.load(tmp_path, {"ema": live})
+    assert_bitwise(expected, live)

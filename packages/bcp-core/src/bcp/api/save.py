@@ -126,12 +126,12 @@ class _Collected:
     def with_entries(self, entries: set[str]) -> "_Share":
         """Everything this rank plans once the plain tensors in ``entries`` are tensor entries."""
         chosen = [t for t in self.plain if t.name in entries]
-        pieces = [p for t in chosen for p in pieces_of(t.name, t.host)]
-        crcs = [None] * len(self.pieces) + [t.crcs for t in chosen if t.host.numel()]
+        pieces = [p for t in chosen for p in pieces_of(t.name, t.tensor)]
+        crcs = [None] * len(self.pieces) + [t.crcs for t in chosen if t.tensor.numel()]
         replica_crcs = None if self.replica_crcs is None else \
-            self.replica_crcs + [t.digest & 0xFFFFFFFF for t in chosen if t.host.numel()]
+            self.replica_crcs + [t.digest & 0xFFFFFFFF for t in chosen if t.tensor.numel()]
         per_rank = [plain_tensors.per_rank_value(t) for t in self.plain if t.name not in entries]
-        return _Share(self.tensors + [(t.name, t.host.dtype, tuple(t.host.shape)) for t in chosen],
+        return _Share(self.tensors + [(t.name, t.tensor.dtype, tuple(t.tensor.shape)) for t in chosen],
                       self.pieces + pieces, crcs, replica_crcs, self.values + per_rank)
 
 
@@ -230,9 +230,10 @@ def _collected(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
     pieces: list[Piece] = []
     values: list[ValueWrite] = []
     plain: list[PlainTensor] = []
+    copies = ChunkedCopies(runtime().chunks)  # on this thread: device reads follow the work queued so far
 
     def held(name: str, tensor: torch.Tensor) -> None:  # a tensor a value holds: saved as one
-        plain.append(PlainTensor.of(name, tensor, DEFAULT_CHECKSUM_CHUNK))
+        plain.append(PlainTensor.of(name, tensor, DEFAULT_CHECKSUM_CHUNK, copies))
 
     for name, value in collected.values.items():
         if name in collected.plain:
@@ -245,7 +246,7 @@ def _collected(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
                                         extract=held if name in collected.per_rank else None))
     crcs = [crc_of(byte_view(host_contiguous(p.tensor))) for p in pieces] if options.verify_replicas else None
     loader = state.get(DATALOADER)
-    declared = tensors + [(t.name, t.host.dtype, tuple(t.host.shape)) for t in plain]
+    declared = tensors + [(t.name, t.tensor.dtype, tuple(t.tensor.shape)) for t in plain]
     return _Collected(tensors, pieces, values, plain, crcs, structure_key(declared, pieces), collected.framework,
                       loader.declaration() if isinstance(loader, DataloaderState) else None)
 

@@ -26,6 +26,7 @@ import torch
 
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import chunk_crcs, content_digest
+from bcp.engine.chunked_copies import ChunkedCopies
 from bcp.errors import UnsupportedValueError
 from bcp.layout.dtypes import dtype_name
 from bcp.layout.values import encode_value
@@ -37,21 +38,35 @@ Digests = list[list[Any]]
 
 @dataclass(slots=True)
 class PlainTensor:
-    """Tensor ``name`` of this rank: ``host`` holds its bytes contiguously on the CPU (the tensor
-    itself where it is such a tensor, else a copy), ``crcs`` their chunk checksums."""
+    """Tensor ``name`` of this rank: ``tensor`` is what its bytes are written from (the tensor
+    itself where it is contiguous, in host or device memory; else a contiguous host copy), ``crcs``
+    their chunk checksums."""
 
     name: str
-    host: torch.Tensor
+    tensor: torch.Tensor
     crcs: list[int]
     digest: int
 
     @staticmethod
-    def of(name: str, tensor: torch.Tensor, chunk: int) -> "PlainTensor":
+    def of(name: str, tensor: torch.Tensor, chunk: int, copies: ChunkedCopies) -> "PlainTensor":
+        """Checksummed where it lies: a tensor in accelerator memory through ``copies``' pinned
+        chunks (a few chunks of host memory, not a host copy of the tensor)."""
         if tensor.layout != torch.strided:
             raise UnsupportedValueError("sparse and non-strided tensors are not supported", key=name)
-        host = host_contiguous(tensor.detach().resolve_conj().resolve_neg())
-        crcs = chunk_crcs(byte_view(host), chunk)
-        return PlainTensor(name, host, crcs, content_digest(crcs, dtype_name(host.dtype), tuple(host.shape)))
+        tensor = tensor.detach().resolve_conj().resolve_neg()
+        if copies.holds(tensor):
+            crcs = _streamed_crcs(tensor, chunk, copies)
+        else:
+            tensor = host_contiguous(tensor)
+            crcs = chunk_crcs(byte_view(tensor), chunk)
+        return PlainTensor(name, tensor, crcs, content_digest(crcs, dtype_name(tensor.dtype), tuple(tensor.shape)))
+
+
+def _streamed_crcs(tensor: torch.Tensor, chunk: int, copies: ChunkedCopies) -> list[int]:
+    crcs: list[int] = []
+    for _, view in copies.write_views([tensor], multiple_of=chunk, reused_from=0):
+        crcs.extend(chunk_crcs(view, chunk))  # each view but the last is a whole number of chunks
+    return crcs
 
 
 def digests(tensors: list[PlainTensor]) -> Digests:
@@ -77,5 +92,6 @@ def kinds_digest(entries: set[str]) -> int:
 
 
 def per_rank_value(tensor: PlainTensor) -> ValueWrite:
-    """A per-rank tensor's record (the value encoding of a tensor), written from its own memory."""
-    return ValueWrite.of(tensor.name, encode_value(tensor.host, key=tensor.name), digest=tensor.digest)
+    """A per-rank tensor's record (the value encoding of a tensor), written from its own memory
+    where that is host memory."""
+    return ValueWrite.of(tensor.name, encode_value(tensor.tensor, key=tensor.name), digest=tensor.digest)
