@@ -135,9 +135,10 @@ def start(args: argparse.Namespace) -> Run:
         device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
         torch.accelerator.set_device_index(device.index)
         backend = "cpu:gloo,cuda:nccl"  # DCP's async_save needs a CPU backend in the default group
-    if "MASTER_ADDR" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, rank=rank, world_size=world)
+    else:  # one process on its own: an in-process store, no port another process could take first
+        dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world)
     workdir = [args.workdir or (tempfile.mkdtemp(prefix="gpu-", dir=_results()) if rank == 0 else None)]
     dist.broadcast_object_list(workdir)
     return Run(device, rank, world, workdir[0])
@@ -378,14 +379,6 @@ def _results() -> str:
     folder = os.path.join(HERE, "results")
     os.makedirs(folder, exist_ok=True)
     return folder
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:
