@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,8 @@ import torch.distributed as dist
 import bcp
 
 CYCLES = 50
+STEADY_S = 0.2
+STEADY_WAIT_S = 10.0
 
 
 def resources() -> dict:
@@ -37,45 +40,48 @@ def loaded(path: str, coordinator: bcp.Coordinator, size: int = 6) -> list:
 
 
 def steady() -> dict:
-    """The counts once two looks 0.2 s apart agree (threads told to stop are gone)."""
+    """The counts once two looks ``STEADY_S`` apart agree, looked at for at most ``STEADY_WAIT_S``
+    (well within the process group's timeout: a rank still looking must never make its peer's next
+    collective time out). Everything bcp and torch release here is released synchronously once the
+    job drops its references, so the first two looks agree unless something leaks."""
+    deadline = time.monotonic() + STEADY_WAIT_S
     previous, counts = None, resources()
-    while counts != previous:
-        time.sleep(0.2)
+    while counts != previous and time.monotonic() < deadline:
+        time.sleep(STEADY_S)
         previous, counts = counts, resources()
-    return counts
-
-
-def settled(expected: dict) -> dict:
-    """The counts once they equal ``expected``, or the last ones after 60s: an asynchronous save's
-    worker thread may let go of its coordinator just after the save's handle reports it done."""
-    deadline = time.monotonic() + 60
-    while (counts := resources()) != expected and time.monotonic() < deadline:
-        time.sleep(0.05)
     return counts
 
 
 def recreated_groups(path: str) -> dict:
     """A job that re-creates its process group (elastic restarts, Megatron's re-initialization): a group
-created, saved through (sync and async), destroyed, again and again."""
+created, saved through (sync and async), destroyed, again and again. Each cycle's counts are taken
+once the job has dropped its own references to the destroyed group: torch closes a gloo group's
+sockets when its last reference goes, and a peer closes its end of a socket whose other end closed
+only when its own loop gets to it, so counts taken while the group is still referenced would depend
+on how far the other rank has come."""
     bcp.save(path, state(-1.0), async_save=True).wait()  # warm: the background lane, the world's side groups
-    before = resources()
-    during = []
+    before = steady()
+    during, released = [], []
     for cycle in range(CYCLES):
         group = dist.new_group([0, 1])
         coordinator = bcp.TorchCoordinator(group)
         bcp.save(path, state(float(cycle)), coordinator=coordinator)
         bcp.save(path, state(cycle + 0.5), coordinator=coordinator, async_save=True).wait()
         dist.destroy_process_group(group)  # shuts the group's side groups down: their threads leave
-        during.append(settled(during[0]) if during else steady())
-    del coordinator, group  # the last side groups now have neither a live group nor a user
-    world = bcp.TorchCoordinator()  # looking up a side group drops those of destroyed groups
-    return {"before": before, "during": during, "after": settled(before), "loaded": loaded(path, world)}
+        gone = weakref.ref(group)
+        del coordinator, group  # as a loop that rebinds them does
+        released.append(gone() is None)  # bcp holds nothing of a finished save, its coordinator included
+        during.append(steady())
+    world = bcp.TorchCoordinator()
+    return {"before": before, "during": during, "released": released, "after": steady(),
+            "loaded": loaded(path, world)}
 
 
 def test_recreated_groups_keep_threads_and_files_flat(ranks, tmp_path):
     for result in ranks(2).run(recreated_groups, str(tmp_path / "ckpt")):
         assert result["loaded"] == [[CYCLES - 0.5] * 6, {"value": CYCLES - 0.5}]
-        assert all(counts == result["during"][0] for counts in result["during"]), result["during"]
+        assert all(result["released"]), result["released"]
+        assert all(counts == result["before"] for counts in result["during"]), (result["before"], result["during"])
         assert result["after"] == result["before"]
 
 

@@ -168,8 +168,14 @@ def cycles_then_count(path: str, cycles: int, use_bcp: bool, settle_s: float) ->
     """A job that re-creates its process groups (elastic restarts, Megatron's re-initialization):
     each cycle creates a group, saves through it (sync, async waited, async left pending), destroys
     it and loads; then the world is destroyed too. Prints the threads and file descriptors left,
-    to compare with the same job that never calls bcp (torch keeps a few of its own)."""
-    _, world = _join()
+    to compare with the same job that never calls bcp (torch keeps a few of its own).
+
+    The counts are taken in a steady state every rank reaches: the job holds no reference to a
+    destroyed group (torch closes a gloo group's sockets when its last reference goes; a loop that
+    rebinds its variables drops them), every rank has settled, and none has left yet: a rank's exit
+    closes its ends of the job's sockets, and a peer's gloo closes the other ends only when its own
+    loop gets to it, so a count taken then would depend on how far the other rank had come."""
+    rank, world = _join()
     state = _trained_state(world)
     for cycle in range(cycles):
         group = dist.new_group(list(range(world)))
@@ -178,16 +184,35 @@ def cycles_then_count(path: str, cycles: int, use_bcp: bool, settle_s: float) ->
             bcp.save(path, state, coordinator=coordinator)
             bcp.save(path, state, coordinator=coordinator, async_save=True).wait()
             bcp.save(path, state, coordinator=coordinator, async_save=True)  # destroy_process_group finishes it
+            del coordinator
         dist.destroy_process_group(group)
+        del group
         if use_bcp:
             assert bcp.load(path, state, coordinator=bcp.SingleProcessCoordinator()).generation == 3 * (cycle + 1)
     dist.destroy_process_group()
-    print(f"left: {_settled(settle_s)[1]} {_thread_names()!r}", flush=True)
+    meeting = f"{path}-ranks"
+    _settled(settle_s)
+    _every_rank_reached(meeting, "settled", rank, world)
+    counts = _settled(settle_s)
+    names = _thread_names()
+    _every_rank_reached(meeting, "counted", rank, world)
+    print(f"left: {counts[1]} {names!r}", flush=True)
+
+
+def _every_rank_reached(folder: str, point: str, rank: int, world: int, timeout_s: float = 60.0) -> None:
+    """A barrier through files, for when no process group is left: marks ``point`` reached by this
+    rank, then waits for every rank's mark (an AssertionError naming the missing ranks after ``timeout_s``)."""
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, f"{point}-{rank}"), "w").close()
+    deadline = time.monotonic() + timeout_s
+    while missing := [r for r in range(world) if not os.path.exists(os.path.join(folder, f"{point}-{r}"))]:
+        assert time.monotonic() < deadline, f"rank(s) {missing} did not reach {point!r} within {timeout_s:g}s"
+        time.sleep(0.02)
 
 
 def _settled(settle_s: float) -> tuple[int, int]:
-    """:func:`resources` once unchanged for ``settle_s`` (threads and sockets told to stop, bcp's and
-    torch's, leave asynchronously; on a busy machine later than a fixed wait), at most 5 such waits."""
+    """:func:`resources` once unchanged for ``settle_s`` (threads told to stop, bcp's and torch's,
+    leave asynchronously; on a busy machine later than a fixed wait), at most 5 such waits."""
     seen = resources()
     for _ in range(5):
         time.sleep(settle_s)

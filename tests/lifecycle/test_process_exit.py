@@ -76,8 +76,8 @@ def test_no_thread_or_descriptor_outlives_destroy_process_group(zygote, tmp_path
     gloo groups and background threads used to stay until a later lookup or the interpreter's
     teardown)."""
     def left(cycles: int, use_bcp: bool) -> list[tuple[int, list[str]]]:
-        result = zygote.run("lifecycle_jobs:cycles_then_count", 2, str(tmp_path / f"c{cycles}"), cycles, use_bcp,
-                            2.0, timeout=240)
+        result = zygote.run("lifecycle_jobs:cycles_then_count", 2, str(tmp_path / f"c{cycles}-{use_bcp}"), cycles,
+                            use_bcp, 2.0, timeout=240)
         _expect(result, [0, 0])
         return [re.search(r"left: .*", rank.output).group(0) for rank in result.ranks]
 

@@ -54,15 +54,24 @@ class BackgroundLane:
         the future holds ``then``'s result, or the exception of whichever stage raised. ``label``
         names the job in what the process says while it waits for it at exit."""
         done: Future = Future()
+        # The stages take the callables out of this list: once the handle's wait() returns, the lane
+        # holds nothing of the save (its coordinator and, through it, a process group the caller
+        # may have destroyed stay referenced by no thread of bcp, so they are released at once).
+        job: list[Any] = [first, then]
 
         def run_first() -> None:
+            first, then = job
+            job.clear()
             try:
                 result = first()
             except BaseException as exc:  # the save's handle raises it from wait()
+                del first, then
                 done.set_exception(exc)
                 return
+            handoff = [then, result]
+            del first, then, result
             try:
-                second.submit(_settle, done, lambda: then(result))
+                second.submit(_settle, done, handoff)
             except BaseException as exc:  # the lane was closed meanwhile: never leave the handle waiting
                 done.set_exception(exc)
 
@@ -106,8 +115,16 @@ class BackgroundLane:
             process.close()
 
 
-def _settle(done: Future, work: Callable[[], Any]) -> None:
+def _settle(done: Future, job: list[Any]) -> None:
+    """Runs ``then(result)`` (``job`` holds both; emptied here) and resolves ``done`` with its outcome,
+    after dropping both, so that a caller woken by ``done`` finds nothing of the job referenced."""
+    then, result = job
+    job.clear()
     try:
-        done.set_result(work())
+        value = then(result)
     except BaseException as exc:  # the save's handle raises it from wait()
+        del then, result
         done.set_exception(exc)
+        return
+    del then, result
+    done.set_result(value)
