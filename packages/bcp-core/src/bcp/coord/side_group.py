@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from bcp.coord.forked_children import left_alone_in_forked_children
+from bcp.coord.waiting import ranks_text, store_keys_set, store_wait, wait_for
 from bcp.errors import DistributedError
 
 # How long a member that saw a failure waits for the others' reports before naming the silent ones.
@@ -52,7 +53,8 @@ class SideGroup:
     """A gloo group over ``members`` (global ranks, sorted) on one named channel; ``rank`` is this
     process's index in ``members``. Every member constructs it, in the same order as the others."""
 
-    def __init__(self, members: tuple[int, ...], timeout: float, channel: str) -> None:
+    def __init__(self, members: tuple[int, ...], timeout: float, channel: str,
+                 warn_after: float | None = None) -> None:
         self.members = members
         self.timeout = timeout
         self.channel = channel
@@ -72,10 +74,46 @@ class SideGroup:
                                     dist.distributed_c10d._get_default_store())
             incarnation = (base.add("created", 1) - 1) // self.size
             self.store = dist.PrefixStore(f"{incarnation}/", base)
+            self._meet(warn_after)
             self.backend = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self.store), self.rank, self.size,
                                                  datetime.timedelta(seconds=timeout))
+        except DistributedError:  # members missing: _meet's own error names them
+            raise
         except Exception as exc:  # torch raises DistStoreError/DistNetworkError/RuntimeError here
             raise self.failed(f"setting up checkpoint coordination (channel {channel!r})", exc) from exc
+
+    def _meet(self, warn_after: float | None) -> None:
+        """Waits, up to the timeout, until every member has arrived at this group's setup (gloo's own
+        rendezvous would wait silently for the store's timeout, half an hour by default), warning
+        after ``warn_after`` seconds about the members that have not; raises a ``DistributedError``
+        naming them at the timeout (and tells the late ones that it stopped waiting)."""
+        self.store.set(f"arrived/{self.rank}", b"")
+        if self.store.add("arrived", 1) == self.size:
+            self.store.set("everyone", b"")
+        where = (f"checkpoint coordination over ranks {ranks_text(self.members)} failed while setting up checkpoint "
+                 f"coordination (channel {self.channel!r})")
+        me = f"this rank (rank {self.members[self.rank]})"
+        if not wait_for(store_keys_set(self.store, ["everyone"]), self.timeout, warn_after, self._warn_not_arrived,
+                        store_wait(self.store, ["everyone"])):
+            self.store.set("gave up", str(self.members[self.rank]))
+            raise DistributedError(f"{where}: no report from rank(s) {ranks_text(self._not_arrived())} within "
+                                   f"{self.timeout:g}s (it died, hung or did not call bcp: {_together(None)}); "
+                                   f"{me} waited for them")
+        if self.store.check(["gave up"]):
+            raise DistributedError(f"{where}: rank {self.store.get('gave up').decode()} had stopped waiting for the "
+                                   f"others (its timeout of {self.timeout:g}s ran out before {me} arrived: "
+                                   f"{_together(None)})")
+
+    def _not_arrived(self) -> list[int]:
+        return [self.members[r] for r in range(self.size)
+                if r != self.rank and not self.store.check([f"arrived/{r}"])]
+
+    def _warn_not_arrived(self, waited: float) -> None:
+        absent = self._not_arrived()
+        if absent:
+            _log.warning("rank %d has waited %gs to set up checkpoint coordination over ranks %s (channel %r) for "
+                         "rank(s) %s, which have not called bcp: %s", self.members[self.rank], waited,
+                         ranks_text(self.members), self.channel, ranks_text(absent), _together(self.timeout))
 
     def run(self, op: Callable[[Any], Any], warn_after: float | None = None) -> None:
         """Runs the collective ``op(backend)`` (it returns gloo's work) to completion; a failure
@@ -121,12 +159,9 @@ class SideGroup:
         except Exception:  # the store's host is gone: the exchange's own failure says so
             return
         if absent:
-            _log.warning(
-                "rank %d has waited %gs in a checkpoint exchange over ranks %s (channel %r) for rank(s) %s, "
-                "which have not reached it: every rank of the group must call bcp.save / bcp.load together "
-                "(a save or load called on some ranks only, as under `if rank == 0:`, waits until the "
-                "timeout of %gs and then fails)", self.members[self.rank], waited, _ranks_text(self.members),
-                self.channel, _ranks_text(absent), self.timeout)
+            _log.warning("rank %d has waited %gs in a checkpoint exchange over ranks %s (channel %r) for rank(s) %s, "
+                         "which have not reached it: %s", self.members[self.rank], waited, ranks_text(self.members),
+                         self.channel, ranks_text(absent), _together(self.timeout))
 
     def isend(self, tensor: torch.Tensor, peer: int, tag: int) -> Any:
         """Sends ``tensor`` to member ``peer`` (an index in ``members``); returns the work to wait on."""
@@ -151,7 +186,7 @@ class SideGroup:
         if self.backend is None:
             why = ("was shut down (its process group was destroyed, or bcp.shutdown() or the process's "
                    "exit released it)" if self.closed else "already failed")
-            raise DistributedError(f"checkpoint coordination over ranks {_ranks_text(self.members)} "
+            raise DistributedError(f"checkpoint coordination over ranks {ranks_text(self.members)} "
                                    f"(channel {self.channel!r}) {why}")
         return self.backend
 
@@ -165,11 +200,11 @@ class SideGroup:
         silent, why = self._silent_members()
         seen = _GLOO_ADVICE.sub("", _SOURCE_PREFIX.sub("", (str(exc).strip().splitlines() or [""])[0]))
         return DistributedError(
-            f"checkpoint coordination over ranks {_ranks_text(self.members)} failed while {doing}: "
-            f"no report from rank(s) {_ranks_text(silent)} {why}; "
+            f"checkpoint coordination over ranks {ranks_text(self.members)} failed while {doing}: "
+            f"no report from rank(s) {ranks_text(silent)} {why}; "
             f"this rank (rank {self.members[self.rank]}) saw {type(exc).__name__}: {seen}"
             if silent else
-            f"checkpoint coordination over ranks {_ranks_text(self.members)} failed while {doing} "
+            f"checkpoint coordination over ranks {ranks_text(self.members)} failed while {doing} "
             f"(every rank reported the failure); this rank (rank {self.members[self.rank]}) saw "
             f"{type(exc).__name__}: {seen}")
 
@@ -213,9 +248,11 @@ def release_side_groups(every: bool = False) -> int:
     return len(groups)
 
 
-def side_group(parent: "dist.ProcessGroup", timeout: float, channel: str) -> SideGroup:
+def side_group(parent: "dist.ProcessGroup", timeout: float, channel: str,
+               warn_after: float | None = None) -> SideGroup:
     """The side group for ``parent``'s members on ``channel``: the one already handed out while a
-    live process group holds it, else a new one (collective over the members only)."""
+    live process group holds it, else a new one (collective over the members only; still waiting
+    for members after ``warn_after`` seconds, it warns naming them, and it fails at ``timeout``)."""
     live = dist.distributed_c10d._world.pg_map
     if parent == dist.GroupMember.NON_GROUP_MEMBER:  # torch's stand-in for a group this rank is not in
         raise DistributedError(f"rank {dist.get_rank()} is not a member of the coordinator's process group")
@@ -225,7 +262,7 @@ def side_group(parent: "dist.ProcessGroup", timeout: float, channel: str) -> Sid
     members = tuple(sorted(dist.get_process_group_ranks(parent)))
     if dist.get_rank() not in members:
         raise DistributedError(f"rank {dist.get_rank()} is not a member of the coordinator's process group "
-                               f"(ranks {_ranks_text(members)})")
+                               f"(ranks {ranks_text(members)})")
     key = (members, timeout, channel)
     # Every member reaches the same decision here: it depends only on which groups were created
     # and destroyed, which members do in the same order (torch requires it for the groups themselves).
@@ -235,7 +272,7 @@ def side_group(parent: "dist.ProcessGroup", timeout: float, channel: str) -> Sid
         if group is not None:
             group._anchor(parent)
             return group
-    group = SideGroup(members, timeout, channel)  # outside the lock: the rendezvous waits for peers
+    group = SideGroup(members, timeout, channel, warn_after)  # outside the lock: the rendezvous waits for peers
     group._anchor(parent)
     with _lock:
         _live[key] = group
@@ -256,12 +293,8 @@ def _digest(members: tuple[int, ...]) -> str:
     return hashlib.sha1(",".join(map(str, members)).encode(), usedforsecurity=False).hexdigest()[:16]
 
 
-def _ranks_text(ranks: "list[int] | tuple[int, ...]") -> str:
-    """Ranks with consecutive runs shortened: ``0-3, 8``."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+def _together(timeout: float | None) -> str:
+    """What to do about ranks that never arrive; ``timeout``: while still waiting for them."""
+    outcome = f"waits until the timeout of {timeout:g}s and then fails" if timeout is not None else "fails this way"
+    return ("every rank of the group must call bcp.save / bcp.load together (a save or load called on some ranks "
+            f"only, as under `if rank == 0:`, {outcome})")

@@ -4,17 +4,13 @@ fast. Its life, who takes part in creating it and how its failures are reported:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from bcp.coord.side_group import SideGroup, side_group
+from bcp.coord.waiting import timeout_from_env, warn_after_from_env
 
 DEFAULT_TIMEOUT_S = 600.0
-DEFAULT_WARN_AFTER_S = 30.0
-#: Seconds a rank waits in an exchange before it warns about the ranks that have not reached it.
-WARN_AFTER_ENV = "BCP_WARN_AFTER_S"
 # Size of the block every exchange starts with (per rank, so it stays small for thousands of ranks).
 BLOCK_BYTES = 256
 _HEADER_BYTES = 16
@@ -25,9 +21,10 @@ class TorchCoordinator:
     """Exchanges bytes over a gloo group of bcp's own with the members of ``group`` (default: the
     world). Only those members construct it, together; ranks outside ``group`` take no part.
 
-    ``timeout`` (seconds) bounds every exchange; by default it is the parent group's own timeout.
-    ``warn_after`` (seconds; default ``BCP_WARN_AFTER_S`` or 30): a rank still waiting in an exchange
-    after that long logs a WARNING naming the ranks that have not reached it (``None`` or 0: never).
+    ``timeout`` (seconds) bounds every wait for the other ranks, the group's setup included; by
+    default ``BCP_TIMEOUT_S``, else the parent group's own timeout. ``warn_after`` (seconds; default
+    ``BCP_WARN_AFTER_S`` or 30): a rank still waiting for the others (to set the group up, or in an
+    exchange) after that long logs a WARNING naming the ranks that have not arrived (``None`` or 0: never).
     """
 
     def __init__(self, group: "dist.ProcessGroup | None" = None, timeout: float | None = None,
@@ -35,9 +32,9 @@ class TorchCoordinator:
         parent = group if group is not None else dist.group.WORLD
         self.parent = parent
         self.channel = channel
-        self.warn_after = _warn_after() if warn_after is None else (warn_after or None)
-        self.timeout = timeout if timeout is not None else _group_timeout(parent)
-        self.group: SideGroup = side_group(parent, self.timeout, channel)
+        self.warn_after = warn_after_from_env() if warn_after is None else (warn_after or None)
+        self.timeout = timeout if timeout is not None else timeout_from_env(_group_timeout(parent))
+        self.group: SideGroup = side_group(parent, self.timeout, channel, self.warn_after)
         self.rank = self.group.rank
         self.world_size = self.group.size
 
@@ -115,7 +112,7 @@ class TorchCoordinator:
         the default of gloo's options. After a failure (which released the group, see
         ``side_group``) the next exchange, that of a later save, rebuilds it."""
         if self.group.backend is None and not self.group.closed:
-            self.group = side_group(self.parent, self.timeout, self.channel)
+            self.group = side_group(self.parent, self.timeout, self.channel, self.warn_after)
         self.group.run(op, self.warn_after)
 
 
@@ -146,17 +143,6 @@ def _to_tensor(data: bytes, width: int) -> torch.Tensor:
     if data:
         t[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return t
-
-
-def _warn_after() -> float | None:
-    text = os.environ.get(WARN_AFTER_ENV)
-    if not text:
-        return DEFAULT_WARN_AFTER_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        raise ValueError(f"{WARN_AFTER_ENV}={text!r} is not a number of seconds") from None
-    return seconds if seconds > 0 else None
 
 
 def _group_timeout(group: "dist.ProcessGroup") -> float:

@@ -12,6 +12,7 @@ timeout ends. After a failure the coordinator refuses further exchanges: ranks a
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -30,6 +31,7 @@ from bcp.coord.grpc.rendezvous import Peer, look_up, meet, publish, share_secret
 from bcp.coord.grpc.security import SecretCheck, TlsConfig, secret_metadata
 from bcp.coord.forked_children import left_alone_in_forked_children
 from bcp.coord.grpc.topology import Tree
+from bcp.coord.waiting import ranks_text, timeout_from_env, warn_after_from_env
 from bcp.errors import DistributedError
 
 DEFAULT_TIMEOUT_S = 600.0  # as the torch.distributed coordinator's default
@@ -38,6 +40,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 CLOSE_GRACE_S = 5.0  # one message carries a subtree's plans: room for thousands of ranks
 _OP_NAMES = {tree_pb2.ALL_GATHER: "all_gather", tree_pb2.GATHER: "gather", tree_pb2.SCATTER: "scatter",
              tree_pb2.BROADCAST: "broadcast"}
+_TOGETHER = ("every rank must call bcp.save / bcp.load together (a save or load called on some ranks only, as "
+             "under `if rank == 0:`, waits until the timeout of {timeout:g}s and then fails)")
+log = logging.getLogger("bcp.coord")
 _made: dict[str, itertools.count] = {}  # coordinators this process made per channel: their store namespace
 _open: "weakref.WeakSet[GrpcCoordinator]" = weakref.WeakSet()
 
@@ -49,15 +54,20 @@ class GrpcCoordinator:
     with ``RANK``/``WORLD_SIZE``). Machines are runs of ``ranks_per_machine`` ranks (default:
     ``LOCAL_WORLD_SIZE``, else 1); their leaders form a tree of ``fan_out`` children each. Servers
     listen on ``host`` (default: the local address on the route to the store, loopback for a local
-    store), never on every interface unless told. ``timeout`` (seconds) bounds every exchange.
-    ``address`` is where this rank's server listens ("" on a rank without children, which runs none).
+    store), never on every interface unless told. ``timeout`` (seconds; default ``BCP_TIMEOUT_S``,
+    else 600) bounds every wait for the other ranks, the setup included; ``warn_after`` (seconds;
+    default ``BCP_WARN_AFTER_S`` or 30; 0: never) is how long a rank waits before it logs a WARNING
+    naming the ranks it waits for. ``address`` is where this rank's server listens ("" on a rank
+    without children, which runs none).
     """
 
     def __init__(self, *, store: Any = None, rank: int | None = None, world_size: int | None = None,
-                 timeout: float = DEFAULT_TIMEOUT_S, fan_out: int = DEFAULT_FAN_OUT,
+                 timeout: float | None = None, fan_out: int = DEFAULT_FAN_OUT,
                  ranks_per_machine: int | None = None, host: str | None = None, tls: TlsConfig | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, channel: str = "plan",
-                 namespace: str | None = None) -> None:
+                 namespace: str | None = None, warn_after: float | None = None) -> None:
+        timeout = timeout_from_env(DEFAULT_TIMEOUT_S) if timeout is None else timeout
+        self.warn_after = warn_after_from_env() if warn_after is None else (warn_after or None)
         meeting = meet(store, rank, world_size, host, timeout)
         self.rank, self.world_size, self.timeout = meeting.rank, meeting.world_size, timeout
         self.channel = channel
@@ -66,10 +76,10 @@ class GrpcCoordinator:
                                fan_out)
         self._settings = dict(store=meeting.store, rank=self.rank, world_size=self.world_size, timeout=timeout,
                               fan_out=fan_out, ranks_per_machine=ranks_per_machine, host=meeting.bind_host,
-                              tls=tls, max_message_bytes=max_message_bytes)
+                              tls=tls, max_message_bytes=max_message_bytes, warn_after=self.warn_after or 0)
         scoped = meeting.scoped(self.namespace)
         with _setting_up(channel):  # the waits for the other ranks
-            self._metadata = secret_metadata(share_secret(scoped, self.rank, timeout))
+            self._metadata = secret_metadata(share_secret(scoped, self.rank, timeout, self.warn_after))
         self._exchanges = itertools.count()
         self._failures: list[tree_pb2.Failure] = []
         self._sibling: GrpcCoordinator | None = None
@@ -87,7 +97,8 @@ class GrpcCoordinator:
         publish(scoped, self.rank, Peer(socket.gethostname(), self.address))
         parent = self.tree.parents[self.rank]
         with _setting_up(channel):
-            self._peers = look_up(scoped, self._inbox.children + ([parent] if parent >= 0 else []), timeout)
+            self._peers = look_up(scoped, self.rank, self._inbox.children + ([parent] if parent >= 0 else []),
+                                  timeout, self.warn_after)
         self._channel = self._stub = None
         if parent >= 0:
             self._channel = _open_channel(self._peers[parent].address, options, tls)
@@ -176,7 +187,7 @@ class GrpcCoordinator:
         if self._stub is not None:
             up = tree_pb2.Up(exchange=exchange, op=op, sender=self.rank, parts=[] if failures else parts,
                              failures=failures)
-            down = self._ask_parent(up, phase, start + self.timeout)
+            down = self._ask_parent(up, phase, start)
             if not down.failures and not self._complete(op, down):
                 down = tree_pb2.Down(exchange=exchange, failures=[self._failure(
                     self.tree.parents[self.rank], phase, "replied without this rank's share")])
@@ -195,7 +206,12 @@ class GrpcCoordinator:
     def _collect(self, exchange: int, op: int, phase: str, start: float,
                  parts: list[tree_pb2.Part]) -> list[tree_pb2.Failure]:
         """Adds the children's parts to ``parts``; returns the failures seen in this subtree."""
-        ups = self._inbox.collect(exchange, start + self._wait_s)
+        deadline = start + self._wait_s
+        if self.warn_after is not None and self.warn_after < self._wait_s:
+            ups = self._inbox.collect(exchange, start + self.warn_after)
+            if len(ups) < len(self._inbox.children):
+                self._warn_children_missing(phase, [c for c in self._inbox.children if c not in ups])
+        ups = self._inbox.collect(exchange, deadline)
         failures = []
         for child in self._inbox.children:
             up = ups.get(child)
@@ -210,10 +226,22 @@ class GrpcCoordinator:
                 failures.extend(up.failures)
         return failures
 
-    def _ask_parent(self, up: tree_pb2.Up, phase: str, deadline: float) -> tree_pb2.Down:
+    def _ask_parent(self, up: tree_pb2.Up, phase: str, start: float) -> tree_pb2.Down:
         parent = self.tree.parents[self.rank]
+        call = self._stub.Exchange.future(up, timeout=max(0.0, start + self.timeout - time.monotonic()),
+                                          metadata=self._metadata)
         try:
-            return self._stub.Exchange(up, timeout=max(0.0, deadline - time.monotonic()), metadata=self._metadata)
+            # A node that waited long for its children has said so already: only a quick one warns here.
+            warn_in = None if self.warn_after is None else self.warn_after - (time.monotonic() - start)
+            if warn_in is not None and warn_in > 0:
+                try:
+                    return call.result(timeout=warn_in)
+                except grpc.FutureTimeoutError:
+                    log.warning("rank %d has waited %gs in %s of the gRPC checkpoint coordinator for the answer of "
+                                "rank %d, its parent in the tree: rank %d, or a rank it waits for (which it names), "
+                                "has not reached it: %s", self.rank, self.warn_after, phase, parent, parent,
+                                _TOGETHER.format(timeout=self.timeout))
+            return call.result()
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 why = f"did not answer within {self.timeout:.1f}s (it, or a rank above it, is hung)"
@@ -238,6 +266,13 @@ class GrpcCoordinator:
             if part.rank != self.rank:
                 shares[self._route[part.rank]].append(part)
         return {c: tree_pb2.Down(exchange=down.exchange, parts=p) for c, p in shares.items()}
+
+    def _warn_children_missing(self, phase: str, children: list[int]) -> None:
+        below = sorted(r for c in children for r in self._inbox.subtrees[c] if r not in children)
+        log.warning("rank %d has waited %gs in %s of the gRPC checkpoint coordinator for rank(s) %s, which have not "
+                    "reached it%s: %s", self.rank, self.warn_after, phase, ranks_text(children),
+                    f" (or wait for ranks below them in the tree: rank(s) {ranks_text(below)})" if below else "",
+                    _TOGETHER.format(timeout=self.timeout))
 
     def _failure(self, rank: int, phase: str, message: str) -> tree_pb2.Failure:
         return tree_pb2.Failure(rank=rank, host=self._peers[rank].describe(), phase=phase, message=message)

@@ -6,6 +6,7 @@ reads only its parent's and children's records, so the store serves O(world) sma
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -15,7 +16,10 @@ import msgpack
 import torch.distributed as dist
 
 from bcp.coord.grpc.security import new_secret
+from bcp.coord.waiting import store_keys_set, store_wait, wait_for
 from bcp.errors import DistributedError
+
+log = logging.getLogger("bcp.coord")
 
 LOOPBACK = "127.0.0.1"
 
@@ -55,28 +59,41 @@ def meet(store: Any, rank: int | None, world_size: int | None, host: str | None,
     return Meeting(store, rank, world_size, host or _interface_towards(store))
 
 
-def share_secret(store: Any, rank: int, timeout: float) -> str:
+def share_secret(store: Any, rank: int, timeout: float, warn_after: float | None = None) -> str:
     """Rank 0's fresh secret, on every rank."""
     if rank == 0:
         store.set("secret", new_secret())
-    return _get(store, "secret", timeout, "rank 0's secret").decode()
+    return _get(store, "secret", timeout, rank, 0, "secret", warn_after).decode()
 
 
 def publish(store: Any, rank: int, peer: Peer) -> None:
     store.set(f"peer/{rank}", msgpack.packb([peer.machine, peer.address]))
 
 
-def look_up(store: Any, ranks: list[int], timeout: float) -> dict[int, Peer]:
-    return {r: Peer(*msgpack.unpackb(_get(store, f"peer/{r}", timeout, f"rank {r}'s address"))) for r in ranks}
+def look_up(store: Any, rank: int, ranks: list[int], timeout: float,
+            warn_after: float | None = None) -> dict[int, Peer]:
+    """The records of ``ranks`` (this rank's parent and children), as each of them publishes it."""
+    return {r: Peer(*msgpack.unpackb(_get(store, f"peer/{r}", timeout, rank, r, "address", warn_after)))
+            for r in ranks}
 
 
-def _get(store: Any, key: str, timeout: float, what: str) -> bytes:
+def _get(store: Any, key: str, timeout: float, rank: int, owner: int, what: str, warn_after: float | None) -> bytes:
+    """``owner``'s ``what`` (its ``key``), once it is set: waited for up to ``timeout`` seconds, with
+    a WARNING naming ``owner`` after ``warn_after`` seconds."""
+    def warn(waited: float) -> None:
+        log.warning("rank %d has waited %gs to set up the gRPC checkpoint coordinator for rank %d's %s: rank %d "
+                    "has not called bcp. Every rank must call bcp.save / bcp.load together (a save or load called "
+                    "on some ranks only, as under `if rank == 0:`, waits until the timeout of %gs and then fails)",
+                    rank, waited, owner, what, owner, timeout)
+
     try:
-        store.wait([key], datetime.timedelta(seconds=timeout))
-        return store.get(key)
-    except Exception as exc:  # torch raises DistStoreError/RuntimeError on timeouts and lost stores
-        raise DistributedError(f"{what} did not appear in the store within {timeout:g}s (it died, hung or did "
-                               f"not start its coordinator; or the store's host is gone): {exc}") from exc
+        if wait_for(store_keys_set(store, [key]), timeout, warn_after, warn, store_wait(store, [key])):
+            return store.get(key)
+        why = f"did not appear in the store within {timeout:g}s"
+    except Exception as exc:  # torch raises DistNetworkError/RuntimeError on lost stores
+        why = f"could not be read from the store: {exc}"
+    raise DistributedError(f"rank {owner}'s {what} {why} (rank {owner} died, hung or did not call bcp: every rank must "
+                           f"call bcp.save / bcp.load together; or the store's host is gone)")
 
 
 def _place(rank: int | None, world_size: int | None) -> tuple[int, int]:
