@@ -3,21 +3,27 @@
 Spawning ranks and importing torch costs seconds, so one pool per world size lives for the whole
 session and runs many cases: ``pool.run(fn, *args)`` calls ``fn(*args)`` on every rank and returns
 the per-rank results. ``fn`` must be a module-level function. A case that fails raises here with
-every failing rank's traceback; a case that hangs is cut off after ``CASE_TIMEOUT_S`` and the pool
-is rebuilt, so a deadlock costs seconds, not the CI limit.
+every failing rank's traceback; a case that hangs is cut off after ``CASE_TIMEOUT_S`` (the ranks
+that did not answer are named and asked for their threads' stacks, which the test's captured stderr
+shows) and the pool is rebuilt, so a deadlock costs minutes, not the CI limit.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import multiprocessing as mp
 import os
+import queue
+import signal
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
 PG_TIMEOUT_S = 60
 CASE_TIMEOUT_S = 300
+STACKS_SIGNAL = signal.SIGUSR1
 
 
 class CaseFailed(AssertionError):
@@ -37,6 +43,7 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> N
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     outbox.put(("ready", rank, None))
@@ -75,13 +82,19 @@ class RankPool:
             inbox.put((fn, args))
         results: list[Any] = [None] * self.world_size
         errors: dict[int, str] = {}
+        answered: set[int] = set()
+        deadline = time.monotonic() + CASE_TIMEOUT_S
         for _ in range(self.world_size):
             try:
-                kind, rank, value = self.outbox.get(timeout=CASE_TIMEOUT_S)
-            except Exception:
+                kind, rank, value = self.outbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                hung = sorted(set(range(self.world_size)) - answered)
+                self._ask_for_stacks(hung)
                 self.restart()
-                raise CaseFailed(f"{fn.__name__} did not finish on every rank within {CASE_TIMEOUT_S}s "
-                                 f"(finished: {sorted(set(range(self.world_size)) - set(errors))}); pool restarted")
+                raise CaseFailed(f"{fn.__module__}.{fn.__name__} did not finish on rank(s) {hung} within "
+                                 f"{CASE_TIMEOUT_S}s: it hangs (their threads' stacks are in the captured stderr); "
+                                 "pool restarted") from None
+            answered.add(rank)
             if kind == "ok":
                 results[rank] = value
             else:
@@ -89,6 +102,12 @@ class RankPool:
         if errors:
             raise CaseFailed("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
         return results
+
+    def _ask_for_stacks(self, ranks: list[int]) -> None:
+        for rank in ranks:
+            if self.procs[rank].is_alive():
+                os.kill(self.procs[rank].pid, STACKS_SIGNAL)
+        time.sleep(2)  # time to write them
 
     def restart(self) -> None:
         self.close()

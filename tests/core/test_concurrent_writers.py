@@ -11,8 +11,10 @@ another process was still reading ("data file ... is missing")."""
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.pool
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from bcp.tools import open_checkpoint
 from bcp.tools.verify import verify_checkpoint
 
 ROUNDS = 12
+CALL_TIMEOUT_S = 300
 NUMEL = 1 << 20  # 4 MB per save: long enough for two saves to overlap
 
 
@@ -58,6 +61,14 @@ def _save_at_once(path: str, tag: int) -> str:
     return "ok"
 
 
+def _within(pending: "multiprocessing.pool.AsyncResult", what: str) -> Any:
+    """The result of a call in the pool's processes; an AssertionError naming ``what`` if it hangs."""
+    try:
+        return pending.get(timeout=CALL_TIMEOUT_S)
+    except multiprocessing.TimeoutError:
+        raise AssertionError(f"{what} did not return within {CALL_TIMEOUT_S}s: it hangs") from None
+
+
 def test_two_processes_saving_at_once_never_lose_the_last_good_checkpoint(tmp_path):
     path = tmp_path / "ckpt"
     bcp.save(path, _state(0))
@@ -66,7 +77,8 @@ def test_two_processes_saving_at_once_never_lose_the_last_good_checkpoint(tmp_pa
     with context.Pool(2, initializer=_start, initargs=(barrier,)) as writers:
         for round_ in range(1, ROUNDS + 1):
             tags = [2 * round_, 2 * round_ + 1]
-            results = writers.starmap(_save_at_once, [(str(path), tag) for tag in tags])
+            results = _within(writers.starmap_async(_save_at_once, [(str(path), tag) for tag in tags]),
+                              f"round {round_}'s two saves")
             assert _tag_of(path) in tags, f"round {round_}: the newest checkpoint is not one of this round's"
             assert results == ["ok", "ok"], f"round {round_}: {results}"  # each wrote its own generation
             committed = [g for g, done in open_checkpoint(path).generations() if done]
@@ -82,7 +94,7 @@ def test_a_reader_of_the_previous_generation_survives_a_concurrent_save(tmp_path
     reader = open_checkpoint(path)  # a reader that has opened generation 1 and reads on
     context = multiprocessing.get_context("spawn")
     with context.Pool(1, initializer=_start, initargs=(context.Barrier(1),)) as writer:
-        assert writer.apply(_save_at_once, (str(path), 2)) == "ok"
+        assert _within(writer.apply_async(_save_at_once, (str(path), 2)), "the concurrent save") == "ok"
     assert open_checkpoint(path).generation == 2
     assert torch.equal(reader.read("model/w"), torch.full((NUMEL,), 1.0))
     assert reader.read_object("extra_state") == {"tag": 1}

@@ -14,6 +14,7 @@ tests drive it through :class:`Zygote`.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import importlib
 import json
@@ -28,6 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: Asks a rank that outlived its job's timeout for its threads' stacks (faulthandler), before it is killed.
+STACKS_SIGNAL = signal.SIGUSR1
+STACKS_WAIT_S = 2.0
 
 
 @dataclass
@@ -45,7 +49,7 @@ class RankExit:
 
     def describe(self) -> str:
         how = f"exit code {self.code}" if self.signal is None else f"killed by {signal.Signals(self.signal).name}"
-        return f"rank {self.rank}: {how}\n{self.output[-3000:]}"
+        return f"rank {self.rank}: {how}\n{self.output[-6000:]}"
 
 
 @dataclass
@@ -58,7 +62,8 @@ class JobExit:
         return not self.timed_out and all(r.clean for r in self.ranks)
 
     def describe(self) -> str:
-        head = "timed out; " if self.timed_out else ""
+        head = ("timed out: every rank still running was asked for its threads' stacks (in its output below), "
+                "then killed\n" if self.timed_out else "")
         return head + "\n".join(r.describe() for r in self.ranks)
 
 
@@ -107,6 +112,7 @@ def _become_rank(request: dict[str, Any], rank: int, port: int, log: str) -> Non
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # a job that hangs says where, in its log
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
@@ -129,10 +135,13 @@ def _wait(pids: list[int], timeout: float) -> tuple[list[int], bool]:
                     statuses[pid] = status
         if len(statuses) < len(pids):
             if time.monotonic() > deadline:
-                for pid in pids:
-                    if pid not in statuses:
-                        os.kill(pid, signal.SIGKILL)
-                        statuses[pid] = os.waitpid(pid, 0)[1]
+                hung = [pid for pid in pids if pid not in statuses]
+                for pid in hung:
+                    os.kill(pid, STACKS_SIGNAL)
+                time.sleep(STACKS_WAIT_S)
+                for pid in hung:
+                    os.kill(pid, signal.SIGKILL)
+                    statuses[pid] = os.waitpid(pid, 0)[1]
                 return [statuses[p] for p in pids], True
             time.sleep(0.01)
     return [statuses[p] for p in pids], False
