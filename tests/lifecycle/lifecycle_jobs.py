@@ -4,6 +4,7 @@ checkpoint, ending the way such scripts end. They run in processes forked by ``z
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import bcp
+from bcp.integration import runtime
 
 
 def _join(timeout_s: float = 30.0) -> tuple[int, int]:
@@ -110,15 +112,52 @@ def _interrupt_after(seconds: float) -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def only_rank_zero_saves(path: str, warn_after: float, timeout: float) -> None:
-    """The classic mistake: ``if rank == 0: bcp.save(...)``."""
+def only_rank_zero_saves(path: str, warn_after: float, timeout: float, kind: str = "torch") -> None:
+    """The classic mistake: ``if rank == 0: bcp.save(...)``, through a coordinator of ``kind`` that
+    both ranks built beforehand."""
     rank, world = _join()
     state = _trained_state(world)
-    coordinator = bcp.TorchCoordinator(timeout=timeout, warn_after=warn_after)
+    if kind == "torch":
+        coordinator = bcp.TorchCoordinator(timeout=timeout, warn_after=warn_after)
+    else:
+        from bcp.coord.grpc import GrpcCoordinator
+
+        coordinator = GrpcCoordinator(timeout=timeout, warn_after=warn_after)
     if rank == 0:
         bcp.save(path, state, coordinator=coordinator)
     else:
         time.sleep(timeout + 6)  # rank 1 goes on training, never calling bcp, while rank 0 times out
+
+
+def only_rank_zero_saves_first(path: str, seconds_after: float) -> None:
+    """The classic mistake as the first call to bcp, with no coordinator built beforehand and the
+    process group's default timeout (half an hour): ``if rank == 0: bcp.save(...)``, bcp's waits
+    set by ``BCP_WARN_AFTER_S`` and ``BCP_TIMEOUT_S``. Rank 0 logs through a handler that stamps each
+    record with the seconds since its save began; it prints how long the save took to fail."""
+    rank, world = _join(timeout_s=1800.0)
+    state = _trained_state(world)
+    if rank != 0:
+        time.sleep(seconds_after)  # rank 1 goes on training, never calling bcp, while rank 0 times out
+        return
+    started = time.monotonic()
+    stamped = logging.StreamHandler(sys.stdout)
+    stamped.setFormatter(_SinceStart(started))
+    logging.getLogger("bcp").addHandler(stamped)
+    try:
+        bcp.save(path, state)
+    except bcp.DistributedError as exc:
+        print(f"raised after {time.monotonic() - started:.1f}s: {exc}", flush=True)
+        raise SystemExit(3) from None
+    raise AssertionError("rank 0 saved alone")
+
+
+class _SinceStart(logging.Formatter):
+    def __init__(self, started: float) -> None:
+        super().__init__()
+        self.started = started
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname} after {time.monotonic() - self.started:.1f}s: {record.getMessage()}"
 
 
 def store_host_dies(when: str, timeout: float, coordinator: str = "torch") -> None:
@@ -241,8 +280,6 @@ def _plain_state() -> dict:
 
 
 def _say_writer_process() -> None:
-    from bcp.integration import runtime
-
     print(f"writer process: {runtime().background.writer_pid()}", flush=True)
 
 
@@ -257,12 +294,20 @@ def writer_process_then_leave(path: str, how: str, destroy: bool) -> None:
     _leave(how, destroy)
 
 
-def killed_while_the_writer_process_writes(path: str) -> None:
-    """A committed checkpoint, then a rank killed (SIGKILL, as by the OOM killer) right after its
-    asynchronous save of a larger state was handed to the writer process."""
-    _, world = _join()
+def killed_while_the_writer_process_writes(path: str, writer_log: str) -> None:
+    """A committed checkpoint, then a rank killed (SIGKILL, as by the OOM killer) while its writer
+    process holds the job of an asynchronous save of a larger state: the writer process is stopped
+    (SIGSTOP) before the job is handed to it, so the test, which lets it go on (SIGCONT), finds it
+    with the job whatever the timing. The writer process's stderr goes to ``writer_log``-<rank>."""
+    rank, world = _join()
     state = _trained_state(world)
     bcp.save(path, state)
+    log = os.open(f"{writer_log}-{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    own_stderr = os.dup(2)
+    os.dup2(log, 2)  # what the writer process inherits when the next save starts it
+    bcp.save(path, state, async_save=True).wait()
+    os.dup2(own_stderr, 2)
+    os.kill(runtime().background.writer_pid(), signal.SIGSTOP)
     large = {"model": {f"w{i}": torch.randn(1 << 20) for i in range(16)}}
     bcp.save(path, large, async_save=True)
     _say_writer_process()

@@ -40,6 +40,11 @@ from bcp.planning.plan_cache import PlanCache
 
 #: After a Ctrl-C at exit, how long the abandoned saves get to stop and remove their files.
 ABANDON_WAIT_S = 30.0
+#: How long abandoned saves get to fail together: when every rank abandons (one terminal's Ctrl-C
+#: reaches them all), their commit barrier ends with every rank's report, so the coordinating rank
+#: knows every write has ended and removes the generation whole. Past this, the barrier is broken
+#: (a rank that is not abandoning would keep it waiting until the timeout).
+ABANDON_TOGETHER_S = 5.0
 
 
 class Runtime:
@@ -93,7 +98,8 @@ def shutdown(abandon: bool = False) -> None:
     global _current
     previous, _current = _current, Runtime()
     if abandon:
-        _stop_pending(previous.background)
+        previous.background.stop_writing()
+        _stop_pending(previous.background, None)
     previous.background.wait_pending()
     release_connections(every=True)
     previous.close()
@@ -114,10 +120,10 @@ def _at_exit() -> None:
         lane = _current.background
         waiting = lane.pending()
         if waiting:
-            _say(f"waiting for {len(waiting)} asynchronous save(s) to commit before this process exits: "
-                 f"{'; '.join(waiting)}. Press Ctrl-C to abandon them (their uncommitted files are removed; "
-                 "the last committed checkpoint stays the latest).")
-            try:
+            try:  # a Ctrl-C from the moment the message is out abandons, as it says
+                _say(f"waiting for {len(waiting)} asynchronous save(s) to commit before this process exits: "
+                     f"{'; '.join(waiting)}. Press Ctrl-C to abandon them (their uncommitted files are removed; "
+                     "the last committed checkpoint stays the latest).")
                 lane.wait_pending()
             except KeyboardInterrupt:
                 _abandon(lane, waiting)
@@ -128,15 +134,19 @@ def _at_exit() -> None:
              "checkpoint and which a later save's retention removes.")
 
 
-def _stop_pending(lane: BackgroundLane) -> None:
-    """Writers stop before their next piece; a commit barrier waiting for other ranks fails now."""
-    lane.abandon.set()
+def _stop_pending(lane: BackgroundLane, wait_s: float | None) -> bool:
+    """After ``lane.stop_writing()``: a commit barrier still waiting for other ranks after
+    ``ABANDON_TOGETHER_S`` fails then. Whether the saves ended within ``wait_s`` seconds (None: no limit)."""
+    if lane.wait_pending(ABANDON_TOGETHER_S):
+        return True
     release_connections(every=True)
+    return lane.wait_pending(wait_s)
 
 
 def _abandon(lane: BackgroundLane, waiting: list[str]) -> None:
-    _stop_pending(lane)
-    finished = lane.wait_pending(ABANDON_WAIT_S)
+    lane.stop_writing()
+    _say(f"abandoning {len(waiting)} asynchronous save(s): their writes stop now.")
+    finished = _stop_pending(lane, ABANDON_WAIT_S)
     _say(f"abandoned {len(waiting)} asynchronous save(s): {'; '.join(waiting)}; "
          + ("their uncommitted files were removed." if finished else
             f"they did not stop within {ABANDON_WAIT_S:g}s; their uncommitted files never load as a "
@@ -144,7 +154,10 @@ def _abandon(lane: BackgroundLane, waiting: list[str]) -> None:
 
 
 def _say(message: str) -> None:
-    print(f"bcp: {message}", file=sys.stderr, flush=True)
+    # One write per line: the ranks of a job often share a terminal, and print() writes the line's
+    # end apart, so that two ranks' lines could run together.
+    sys.stderr.write(f"bcp: {message}\n")
+    sys.stderr.flush()
 
 
 def _forget_in_child() -> None:

@@ -56,7 +56,13 @@ def commit_generation(coord: Coordinator, writer: GenerationWriter, report: Outc
     which commits once it holds all of them and none failed; each rank returns once it has the
     verdict, and raises where the generation was not committed (the previous one stays the latest)."""
     committing = False
+    every_report_in = False  # on the coordinating rank: every rank's writes have ended
     records: list[Any] = []
+
+    def reported() -> None:
+        nonlocal every_report_in
+        every_report_in = True
+
     try:
         def commit(every_rank: list[Any]) -> list[None]:
             nonlocal committing
@@ -70,10 +76,10 @@ def commit_generation(coord: Coordinator, writer: GenerationWriter, report: Outc
             return [None] * coord.world_size
 
         with stats.phase("commit"):
-            gather_then_reply(coord, report, commit, f"writing the checkpoint {writer.location.display}")
+            gather_then_reply(coord, report, commit, f"writing the checkpoint {writer.location.display}", reported)
     except BaseException as exc:
-        if coord.rank == 0:  # every rank has stopped writing: the failure reached it in the exchange
-            writer.discard()
+        if coord.rank == 0:  # the failure reached it in the exchange, or the exchange failed
+            writer.discard(every_writer_stopped=every_report_in)
             if monitor:  # before the commit, the exchange carried the failures of the ranks' writes
                 monitor.fail("commit" if committing else "write", exc)
         raise

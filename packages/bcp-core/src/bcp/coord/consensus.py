@@ -52,13 +52,17 @@ def all_agree(coord: Coordinator, local: Outcome, what: str) -> list[Any]:
 
 
 def gather_then_reply(coord: Coordinator, local: Outcome,
-                      produce: Callable[[list[Any]], list[Any]], what: str) -> Any:
+                      produce: Callable[[list[Any]], list[Any]], what: str,
+                      on_gathered: Callable[[], None] | None = None) -> Any:
     """Rank 0 gathers every rank's value and ``produce`` turns them into one reply per rank; each
-    rank returns its reply. A failure on any rank, or in ``produce``, is raised on every rank."""
+    rank returns its reply. A failure on any rank, or in ``produce``, is raised on every rank.
+    ``on_gathered`` is called on rank 0 once it holds every rank's outcome (whatever follows)."""
     gathered = _exchange(what, coord.gather_bytes, local.packed(coord.rank))
     own_error = local.error
     parts = None
     if gathered is not None:
+        if on_gathered is not None:
+            on_gathered()
         messages = [unpack(m) for m in gathered]
         failures = [f for ok, body in messages if not ok for f in body]
         if not failures:

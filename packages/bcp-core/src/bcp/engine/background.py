@@ -44,6 +44,15 @@ class BackgroundLane:
                 self._process = WriterProcess(niceness)
             return self._process
 
+    def stop_writing(self) -> None:
+        """Abandons every save not yet committed: their writers stop before their next piece, the
+        writer process's as soon as it reads the request, sent now (see ``GenerationWriter``)."""
+        self.abandon.set()
+        with self._lock:
+            process = self._process
+        if process is not None:
+            process.abandon()
+
     def writer_pid(self) -> int | None:
         """The writer process's id while one runs (it may have died since), else None."""
         with self._lock:

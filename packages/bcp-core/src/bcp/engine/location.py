@@ -6,6 +6,11 @@ new generation and the newest committed one is the checkpoint. A writer first cl
 ``COMMITTED`` marker exists (created last, create-if-absent, no rename needed). After a commit the
 newest ``keep_generations`` committed generations stay, so a reader of the previous one is not
 broken by a concurrent save.
+
+A save that fails or is abandoned leaves nothing: its generation is removed whole once every rank
+has stopped writing into it. Where that is unknown (a rank died or hung), its files are removed and
+its claim is kept, marked discarded, so that no late write of that rank can land in a later save
+that takes the same number; the next commit removes it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from bcp.storage.base import Storage
 MANIFEST = "manifest.json"
 COMMIT_MARKER = "COMMITTED"
 CLAIM = "CLAIM"
+#: Set in the claim of a failed save's generation whose files are removed (see ``Location.discard``).
+DISCARDED = "discarded"
 DATA_DIR = "data"
 #: The metrics log's folder beside the generations (bcp.api.metrics_log); never a generation.
 METRICS_DIR = "bcp-metrics"
@@ -180,29 +187,46 @@ class Location:
     def apply_retention(self, generation: int) -> int | None:
         """Retention once ``generation`` is committed: the newest ``keep_generations`` committed
         generations up to it stay, and so does every newer generation (another writer's save in
-        progress); generations older than the oldest one kept are removed. Returns that oldest
-        generation kept (None if none is committed)."""
+        progress); generations older than the oldest one kept are removed, and so are the older
+        remains of failed saves (:meth:`discard`). Returns that oldest generation kept (None if
+        none is committed)."""
         generations = self.generations()
         committed = [g for g in generations if g <= generation and self.is_committed(g)]
         kept = committed[-max(1, self.keep_generations):]
         for older in generations:
-            if kept and older < kept[0]:
+            if kept and older < kept[0] or (older < generation and older not in committed and self.is_discarded(older)):
                 self.storage.delete_tree(f"{self.prefix}{generation_dir(older)}")
         return kept[0] if kept else None
 
-    def discard(self, generation: int) -> None:
-        """Best effort after a failed save: remove what was written into ``generation`` unless it is
-        committed. Its claim stays (a few bytes), so the number is never handed out again; the
-        next successful save's retention removes it."""
+    def discard(self, generation: int, every_writer_stopped: bool = False) -> None:
+        """Best effort after a failed save: remove ``generation`` unless it is committed. With
+        ``every_writer_stopped`` (every rank reported the end of its writes), the folder goes whole
+        and its number may be claimed again. Otherwise its claim stays, marked discarded, so that
+        the number is not handed out while a rank might still write into it; the next commit's
+        retention removes it."""
         if self.is_committed(generation):
             return
         folder = f"{self.prefix}{generation_dir(generation)}"
-        for child in self.storage.list_dir(folder):
-            if child != CLAIM:
-                try:
+        try:
+            if every_writer_stopped:
+                self.storage.delete_tree(folder)
+                return
+            for child in self.storage.list_dir(folder):
+                if child != CLAIM:
                     self.storage.delete_tree(f"{folder}/{child}")
-                except OSError:
-                    pass  # best effort: the save's own error is the one to report
+            claim = json.loads(self.storage.read_bytes(self.name(generation, CLAIM)))
+            self.storage.write_file(self.name(generation, CLAIM), [memoryview(json.dumps(
+                {**claim, DISCARDED: True}).encode())])
+        except (OSError, ValueError):
+            pass  # best effort: the save's own error is the one to report
+
+    def is_discarded(self, generation: int) -> bool:
+        """Whether ``generation`` is the remains of a failed save (its claim marked by :meth:`discard`)."""
+        try:
+            claim = json.loads(self.storage.read_bytes(self.name(generation, CLAIM)))
+        except (OSError, ValueError):  # no claim (being removed), or not bcp's JSON
+            return False
+        return isinstance(claim, dict) and claim.get(DISCARDED) is True
 
 
 def _parse_marker(data: bytes, generation: int, where: str) -> dict:

@@ -15,27 +15,35 @@ MAX_FDS = 64
 
 
 class PeerGone(EOFError):
-    """The other end closed the socket (its process exited)."""
+    """The other end closed the socket (its process exited), whether or not it had read everything
+    sent to it (an end closed with unread data resets the connection)."""
 
 
 def send(sock: socket.socket, message: tuple, fds: list[int] = ()) -> None:
+    """Sends ``message`` (and ``fds``); :class:`PeerGone` where the other process has gone."""
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     header = _HEADER.pack(len(payload), len(fds))
-    if fds:
-        socket.send_fds(sock, [header], list(fds))
-    else:
-        sock.sendall(header)
-    sock.sendall(payload)
+    try:
+        if fds:
+            socket.send_fds(sock, [header], list(fds))
+        else:
+            sock.sendall(header)
+        sock.sendall(payload)
+    except (BrokenPipeError, ConnectionResetError) as exc:
+        raise PeerGone(f"the other process closed its end ({exc.strerror})") from None
 
 
 def receive(sock: socket.socket) -> tuple[Any, list[int]]:
     """The next message and the descriptors that came with it; :class:`PeerGone` at the end."""
-    header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
-    if not header:
-        raise PeerGone("the other process closed its end")
-    header += _exactly(sock, _HEADER.size - len(header))
-    size, _ = _HEADER.unpack(header)
-    return pickle.loads(_exactly(sock, size)), fds
+    try:
+        header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
+        if not header:
+            raise PeerGone("the other process closed its end")
+        header += _exactly(sock, _HEADER.size - len(header))
+        size, _ = _HEADER.unpack(header)
+        return pickle.loads(_exactly(sock, size)), fds
+    except ConnectionResetError:
+        raise PeerGone("the other process closed its end with messages unread") from None
 
 
 def _exactly(sock: socket.socket, nbytes: int) -> bytes:

@@ -159,9 +159,10 @@ class GenerationWriter:
         self.location.commit(self.generation, manifest)
         return self.location.apply_retention(self.generation)
 
-    def discard(self) -> None:
-        """Remove what was written of this generation (never a committed one), best effort."""
-        self.location.discard(self.generation)
+    def discard(self, every_writer_stopped: bool = False) -> None:
+        """Remove what was written of this generation (never a committed one), best effort; the
+        generation goes whole where every rank's writes have ended (``Location.discard``)."""
+        self.location.discard(self.generation, every_writer_stopped)
 
     def _write_file(self, name: str, items: list[_Item], on_written: Callable[[int], None] | None) -> list[list[int]]:
         """Write one data file; each item's chunk checksums, in order."""

@@ -7,7 +7,14 @@ own instead of taking turns with the training thread for the training process's.
 It is a fresh interpreter (not a fork: a fork of a process with threads or CUDA state is unsafe),
 started from a few lines that import only bcp's storage layer and checksums, not torch. It is
 stopped by ``close`` (``bcp.shutdown()``, the destruction of the last process group, interpreter
-exit); if the training process dies instead, its socket closes and the writer process ends too.
+exit); if the training process dies instead, its socket closes and the writer process ends too,
+quietly.
+
+It ignores SIGINT. A terminal's Ctrl-C reaches its whole foreground process group, the writer
+process included; the training process alone decides what a Ctrl-C means for a pending save (at
+exit, the first lets it commit, a second abandons it), and tells the writer process. It stays in the
+training process's process group and session, so that a launcher's or a terminal's other signals
+(SIGTERM, SIGHUP, Ctrl-Z) reach it as they reach the job.
 A writer process that dies fails the save it was writing (nothing is committed) and the next save
 starts a new one.
 
@@ -21,6 +28,7 @@ from __future__ import annotations
 import os
 import pickle
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -34,7 +42,11 @@ from bcp.storage.memory import MemoryStorage
 
 #: What the new interpreter runs: bcp's package without its ``__init__`` (which imports torch), then
 #: the writer's loop. The script's directory (the current one, for ``-c``) is taken off the path.
-_BOOTSTRAP = ("import sys, types; del sys.path[0]; package = types.ModuleType('bcp'); "
+#: SIGINT is blocked while the process starts (see ``WriterProcess``) and ignored before it is let
+#: through, so that a Ctrl-C during the start is dropped too.
+_BOOTSTRAP = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+              "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+              "import sys, types; del sys.path[0]; package = types.ModuleType('bcp'); "
               "package.__path__ = [sys.argv[2]]; sys.modules['bcp'] = package; "
               "from bcp.engine.writer_process_main import serve; serve(int(sys.argv[1]), int(sys.argv[3]))")
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,6 +87,8 @@ class WriterProcess:
         #: How much nicer than the training process it runs (and at the lowest I/O priority if > 0).
         self.niceness = niceness
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The new process inherits this thread's signal mask: SIGINT stays pending until it ignores it.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             self._process = subprocess.Popen(
                 [sys.executable, "-c", _BOOTSTRAP, str(theirs.fileno()), _PACKAGE_DIR, str(niceness)],
@@ -83,10 +97,12 @@ class WriterProcess:
             ours.close()
             raise
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             theirs.close()
         self._sock = ours
         self._mapped: set[int] = set()  # buffers the writer process has mapped
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one job (its request and its reply) at a time
+        self._sending = threading.Lock()  # one message at a time: an abandon request may come from any thread
 
     @property
     def pid(self) -> int:
@@ -106,7 +122,7 @@ class WriterProcess:
                "new": [(b.id, b.nbytes) for b in new]}
         with self._lock:
             try:
-                send(self._sock, ("write", job), [b.fd for b in new])
+                self._send(("write", job), [b.fd for b in new])
                 self._mapped = (self._mapped | {b.id for b in new}) & live
                 reply = self._await_reply(abandon)
             except (PeerGone, OSError) as exc:
@@ -124,21 +140,34 @@ class WriterProcess:
         """Stop the writer process (killed if it does not leave within ``STOP_WAIT_S``)."""
         with self._lock:
             try:
-                send(self._sock, ("stop",))
-            except OSError:
+                self._send(("stop",))
+            except (PeerGone, OSError):
                 pass  # already gone
-            self._sock.close()
+            with self._sending:
+                self._sock.close()
         try:
             self._process.wait(STOP_WAIT_S)
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
 
+    def abandon(self) -> None:
+        """Asks the writer process to stop its job before its next piece, now (from any thread;
+        ``write_files`` then raises ``SaveAbandonedError``). Without a job it has nothing to stop."""
+        try:
+            self._send(("abandon",))
+        except (PeerGone, OSError):
+            pass  # gone or closed: no job left to stop
+
+    def _send(self, message: tuple, fds: Sequence[int] = ()) -> None:
+        with self._sending:
+            send(self._sock, message, list(fds))
+
     def _await_reply(self, abandon: threading.Event | None) -> tuple:
         asked = False
         while not select.select([self._sock], [], [], POLL_S)[0]:
             if abandon is not None and abandon.is_set() and not asked:
-                send(self._sock, ("abandon",))
+                self._send(("abandon",))
                 asked = True
         return receive(self._sock)[0]
 

@@ -4,7 +4,9 @@ chunk checksums, one thread per file, under its own interpreter lock, so none of
 delays the training thread. It answers each job with the checksums, or with why it failed.
 
 It imports no torch and nothing beyond the storage layer and the checksums, to start in a fraction
-of a second. It ends when told to, when its socket closes, or when the training process is gone.
+of a second. It ends when told to, when its socket closes, or when the training process is gone:
+then quietly (the training process's own end says what happened to its save), or with one line
+where something else stopped it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import pickle
 import select
 import socket
+import sys
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -41,11 +44,9 @@ class _Writer:
         self.stop = threading.Event()
 
     def serve(self) -> None:
+        """Answers jobs until told to stop; :class:`PeerGone` once the training process is gone."""
         while True:
-            try:
-                message, fds = receive(self.sock)
-            except PeerGone:
-                return
+            message, fds = receive(self.sock)
             if message[0] == "stop":
                 return
             if message[0] == "write":
@@ -56,6 +57,9 @@ class _Writer:
         self.stop.clear()
         try:
             self.map_buffers(job["new"], fds, job["live"])
+            self.watch()  # an abandon request sent after the job, before the writer got to it: no write starts
+            if self.stop.is_set():
+                raise _Abandoned()
             storage = self.storage(job["storage"])
             files = job["files"]
             if self.pool is None or self.pool._max_workers < len(files):
@@ -144,6 +148,13 @@ def serve(fd: int, niceness: int) -> None:
         writer = _Writer(sock, os.getppid())
         try:
             writer.serve()
+        except PeerGone:  # the training process died (or closed us without a word): nothing to say
+            writer.stop.set()
+        except BaseException as exc:  # the one line of a writer process that did not end as told
+            print(f"bcp's writer process (pid {os.getpid()}) stopped: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+            writer.stop.set()
+            raise SystemExit(1) from None
         finally:
             if writer.pool is not None:
                 writer.pool.shutdown()
