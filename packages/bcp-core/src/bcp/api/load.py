@@ -20,7 +20,7 @@ from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.components import PLACED, SKIP, StateValues, check_keys, collect
 from bcp.api.gc_pause import paused_gc
 from bcp.api.metrics import Monitor
-from bcp.api.names import NameMatch, listing, match_names, unexpected_across_ranks
+from bcp.api.names import NameMatch, match_names, unexpected_across_ranks, unexpected_error
 from bcp.api.options import LoadOptions
 from bcp.api.per_rank import warn_world_change, world_change
 from bcp.api.results import LoadResult, PhaseStats
@@ -332,8 +332,7 @@ def _agree_on_reading(coord: Coordinator, planned: Outcome, read: Outcome, check
         result.unexpected = unexpected_across_ranks(coord, Outcome.of(lambda: planned.value.wanted.left_over()),
                                                     checkpoint)
         if strict and result.unexpected:
-            raise MismatchError(f"strict load: in the checkpoint but wanted by no rank: {listing(result.unexpected)} "
-                                "(pass strict=False to load the overlap)", path=checkpoint.path)
+            raise unexpected_error(result.unexpected, checkpoint)
 
 
 def _apply(plan: _Plan, loaded: dict[str, Any]) -> None:

@@ -4,12 +4,20 @@ A name wanted but not saved is missing on the rank that wants it. A saved name i
 when no rank wants it: with pipeline stages (or any layout where ranks hold different tensors) each
 rank wants its own stage's names, and the checkpoint holds every stage's. Ranks whose own view
 finds no saved name left over settle it alone; otherwise the ranks pool what they want in one
-exchange (indices into the sorted saved names)."""
+exchange (indices into the sorted saved names).
+
+A mismatch is answered with both sides (what is missing, what the checkpoint holds that was not
+asked for, whole components counted rather than listed), the saved names closest to the missing
+ones, and ``strict=False`` offered only where it would load something. A non-strict load that
+matches nothing warns: it would otherwise succeed having loaded nothing."""
 
 from __future__ import annotations
 
+import difflib
+import logging
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection
 
 import numpy as np
 
@@ -18,7 +26,10 @@ from bcp.coord import Coordinator
 from bcp.coord.consensus import Outcome, gather_then_reply
 from bcp.errors import MismatchError
 
-_LISTED = 20  # names shown in a strict-mode error before "and N more"
+logger = logging.getLogger("bcp")
+
+_LISTED = 20  # names shown in a mismatch before "and N more"
+_SUGGESTED = 5  # missing names (or components) for which the closest saved ones are looked up
 
 
 @dataclass(slots=True)
@@ -33,15 +44,21 @@ class NameMatch:
 
 
 def match_names(wanted: dict[str, Any], checkpoint: Checkpoint, strict: bool) -> NameMatch:
-    components = sorted({name.split("/", 1)[0] for name in wanted})
-    saved = {n for n in [*checkpoint.tensors, *checkpoint.objects] if n.split("/", 1)[0] in components}
+    """This rank's names against the checkpoint's; a strict load missing any raises, a non-strict
+    load that matches nothing warns."""
+    components = sorted({component_of(name) for name in wanted})
+    saved = {n for n in [*checkpoint.tensors, *checkpoint.objects] if component_of(n) in components}
     missing = sorted(set(wanted) - saved)
     left_over = sorted(saved - set(wanted))
+    loaded = [name for name in wanted if name in saved]
     if strict and missing:
-        also = f"; in the checkpoint but not wanted on this rank: {listing(left_over)}" if left_over else ""
-        raise MismatchError(f"strict load: missing from the checkpoint: {listing(missing)}{also} (pass strict=False "
-                            "to load the overlap)", path=checkpoint.path)
-    return NameMatch([name for name in wanted if name in saved], missing, left_over, components)
+        raise MismatchError(f"strict load: {describe_mismatch(missing, left_over, loaded, checkpoint)}",
+                            path=checkpoint.path)
+    if wanted and not loaded:
+        logger.warning("bcp load %s: strict=False and no name of the state is in the checkpoint, so nothing "
+                       "is loaded: %s", checkpoint.path, describe_mismatch(missing, left_over, loaded, checkpoint,
+                                                                          advice=False))
+    return NameMatch(loaded, missing, left_over, components)
 
 
 def unexpected_across_ranks(coord: Coordinator, match: Outcome, checkpoint: Checkpoint) -> list[str]:
@@ -55,7 +72,7 @@ def unexpected_across_ranks(coord: Coordinator, match: Outcome, checkpoint: Chec
         for loaded, asked in every_rank:
             wanted[np.frombuffer(loaded, dtype=np.int64)] = True
             components.update(asked)
-        left = [i for i in np.flatnonzero(~wanted).tolist() if names[i].split("/", 1)[0] in components]
+        left = [i for i in np.flatnonzero(~wanted).tolist() if component_of(names[i]) in components]
         return [np.array(left, dtype=np.int64).tobytes()] * len(every_rank)
 
     mine = None
@@ -65,6 +82,79 @@ def unexpected_across_ranks(coord: Coordinator, match: Outcome, checkpoint: Chec
     return [names[i] for i in np.frombuffer(left, dtype=np.int64).tolist()]
 
 
+def unexpected_error(unexpected: list[str], checkpoint: Checkpoint) -> MismatchError:
+    """The strict load's error for saved names of requested components that no rank wants (every
+    wanted name was found, so the rest loads)."""
+    return MismatchError(f"strict load: in the checkpoint but wanted by no rank: {listing(unexpected)} "
+                         "(pass strict=False to load the rest)", path=checkpoint.path)
+
+
+def describe_mismatch(missing: list[str], left_over: list[str], loaded: Collection[str], checkpoint: Checkpoint,
+                      *, advice: bool = True) -> str:
+    """Both sides of a mismatch on this rank, the closest saved names and, with ``advice``, what
+    ``strict=False`` would load."""
+    asked = {component_of(name) for name in [*missing, *loaded]}
+    every = sorted([*checkpoint.tensors, *checkpoint.objects])
+    saved = Counter(component_of(name) for name in every)
+    unasked = [name for name in every if component_of(name) not in asked]
+    parts = [f"missing from the checkpoint: {_summary(missing, saved)}"]
+    if left_over:
+        parts.append(f"in the checkpoint but not wanted on this rank: {listing(left_over)}")
+    if unasked:
+        parts.append(f"in components the state does not ask for: {_by_component(unasked)}")
+    hints = _closest(missing, left_over, saved, {component_of(name) for name in unasked})
+    if hints:
+        parts.append("did you mean " + ", ".join(f"{close!r} for {name!r}" for name, close in hints) + "?")
+    if advice and loaded:
+        parts.append(f"pass strict=False to load what matches ({_entries(len(loaded))})")
+    elif advice:
+        parts.append("no name of the state is in the checkpoint, so strict=False would load nothing")
+    return "; ".join(parts)
+
+
+def component_of(name: str) -> str:
+    return name.split("/", 1)[0]
+
+
 def listing(names: list[str]) -> str:
     shown = ", ".join(names[:_LISTED])
     return shown + (f" and {len(names) - _LISTED} more" if len(names) > _LISTED else "")
+
+
+def _summary(missing: list[str], saved: Counter) -> str:
+    """The missing names, each component the checkpoint lacks entirely counted as one item."""
+    absent = Counter(component_of(name) for name in missing if component_of(name) not in saved)
+    if not absent or len(missing) <= _LISTED // 2:
+        return listing(missing)
+    named = [name for name in missing if component_of(name) in saved]
+    whole = [f"all {_entries(count)} of component {component!r}" for component, count in sorted(absent.items())]
+    return ", ".join(whole) + (f"; {listing(named)}" if named else "")
+
+
+def _closest(missing: list[str], left_over: list[str], saved: Counter,
+             unasked: set[str]) -> list[tuple[str, str]]:
+    """(missing, closest saved) pairs: a component the checkpoint lacks against the saved
+    components nobody asked for, a name within a saved component against its left-over names."""
+    pairs: list[tuple[str, str]] = []
+    absent = sorted({component_of(name) for name in missing if component_of(name) not in saved})
+    for component in absent[:_SUGGESTED]:
+        pairs.extend((component, close) for close in difflib.get_close_matches(component, sorted(unasked), n=1))
+    within = [name for name in missing if component_of(name) in saved]
+    for name in within[:_SUGGESTED]:
+        pairs.extend((name, close) for close in difflib.get_close_matches(name, left_over, n=1))
+    return pairs
+
+
+def _by_component(names: list[str]) -> str:
+    """``names`` (sorted) listed, or where there are many, counted per component with a few of each."""
+    if len(names) <= _LISTED:
+        return ", ".join(names)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(component_of(name), []).append(name)
+    return ", ".join(f"{component} ({_entries(len(group))}: {', '.join(group[:3])}{', ...' if len(group) > 3 else ''})"
+                     for component, group in groups.items())
+
+
+def _entries(count: int) -> str:
+    return f"{count} entr{'y' if count == 1 else 'ies'}"
