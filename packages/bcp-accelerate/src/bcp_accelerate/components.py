@@ -17,7 +17,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 from bcp import AdapterError
-from bcp.integration import initialize_state
+from bcp.integration import initialize_state, replace_state
 
 PARAMS = "params"
 
@@ -52,15 +52,20 @@ def optimizer_component(models: Sequence[nn.Module], optimizers: Sequence[torch.
         for group in optimizer.param_groups:
             params = [_name_of(names, p, index) for p in group[PARAMS]]
             groups.append({**{k: v for k, v in group.items() if k != PARAMS}, PARAMS: params})
-            state.update({name: optimizer.state[p] for name, p in zip(params, group[PARAMS]) if optimizer.state.get(p)})
+            state.update({name: optimizer.state[p] for name, p in zip(params, group[PARAMS]) if p in optimizer.state})
     return {"state": state, "param_groups": groups}
 
 
-def restore_param_groups(component: dict[str, Any], optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Copy loaded hyper-parameters (learning rates, betas, ...) back into the live param groups."""
-    live = [group for o in optimizers for group in torch_optimizer(o).param_groups]
-    for group, loaded in zip(live, component["param_groups"]):
-        group.update({k: v for k, v in loaded.items() if k != PARAMS})
+def restore_optimizers(component: dict[str, Any], models: Sequence[nn.Module],
+                       optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Give each optimizer the state and hyper-parameters loaded into ``component`` (as
+    :func:`optimizer_component` made it), as ``Optimizer.load_state_dict`` gives them: a parameter
+    the checkpoint holds no state for has none."""
+    names = _parameter_names(models)
+    groups = iter(component["param_groups"])
+    for index, optimizer in enumerate(torch_optimizer(o) for o in optimizers):
+        fqns = [[_name_of(names, p, index) for p in group[PARAMS]] for group in optimizer.param_groups]
+        replace_state(optimizer, fqns, component["state"], [next(groups) for _ in fqns])
 
 
 def _parameter_names(models: Sequence[nn.Module]) -> dict[int, str]:

@@ -160,7 +160,7 @@ def load_models(accelerator: accelerate.Accelerator, target: Any, record: dict[s
         bcp.load(target, state, strict=options.get("strict", True), generation=options.get("generation"),
                  topology=process_topology(accelerator))
     if optimizers:
-        components.restore_param_groups(state["optimizer"], optimizers)
+        components.restore_optimizers(state["optimizer"], models, optimizers)
     return state
 
 

@@ -13,7 +13,8 @@ test walks their imports).
   record, the GC paused), as ``bcp.load`` does for its own states;
 - where checkpoints live (``checkpoint_location(path, role)``: generations and their commit
   state), the storage backend for a path or URL and ``is_url``, the one test of which a path is;
-- adapters: ``initialize_state`` gives a never-stepped optimizer its state before a load; the
+- adapters: ``initialize_state`` gives a never-stepped optimizer its state before a load,
+  ``replace_state`` gives it the loaded state as ``Optimizer.load_state_dict`` would; the
   core's optimizer value names (``OPTIMIZER_STATE_PREFIX``, ``OPTIMIZER_PARAM_GROUPS``) and
   ``nested_optimizer_state``/``flat_optimizer_values`` between them and torch's FQN-keyed dicts;
   ``adapter_for`` finds the registered adapter for live objects, by name, as ``bcp.save`` does;
@@ -29,7 +30,7 @@ from bcp.adapters import adapter_for
 from bcp.adapters.dataloader import COMPONENT as DATALOADER_COMPONENT
 from bcp.adapters.optimizer import PARAM_GROUPS as OPTIMIZER_PARAM_GROUPS
 from bcp.adapters.optimizer import STATE as OPTIMIZER_STATE_PREFIX
-from bcp.adapters.optimizer import flat_optimizer_values, initialize_state, nested_optimizer_state
+from bcp.adapters.optimizer import flat_optimizer_values, initialize_state, nested_optimizer_state, replace_state
 from bcp.adapters.drawn_order import draws_its_order, drawn_from
 from bcp.adapters.drawn_order import follow as follow_order
 from bcp.adapters.drawn_order import replay as replay_order
@@ -65,7 +66,7 @@ __all__ = [
     # where checkpoints live: generations and their commit state; storage backends
     "checkpoint_location", "Storage", "storage_for", "is_url",
     # adapters
-    "initialize_state", "adapter_for", "DATALOADER_COMPONENT", "OPTIMIZER_STATE_PREFIX", "OPTIMIZER_PARAM_GROUPS",
+    "initialize_state", "replace_state", "adapter_for", "DATALOADER_COMPONENT", "OPTIMIZER_STATE_PREFIX", "OPTIMIZER_PARAM_GROUPS",
     "nested_optimizer_state", "flat_optimizer_values", "batches_yielded", "reshard_states",
     "draws_its_order", "drawn_from", "follow_order", "replay_order",
     # frameworks' own pickled files in a checkpoint folder, read safely

@@ -103,14 +103,15 @@ def write_back(state_dict: dict[str, Any], view: dict[str, Any]) -> None:
 
 
 def write_back_optimizers(optimizer_states: list[dict[str, Any]], view: dict[str, Any]) -> None:
-    """As :func:`write_back`; a parameter whose state the load removed from ``view`` (the checkpoint
-    holds none for it) loses it here too, as ``Optimizer.load_state_dict`` gives it."""
+    """After a load into ``view``: each optimizer state dict holds the loaded state and no other,
+    as ``Optimizer.load_state_dict`` gives it: a parameter the checkpoint holds no state for loses
+    its entry, one saved with state (an empty entry included) has the loaded entry."""
     for osd in optimizer_states:
-        for fqn in list(osd["state"]):
-            if fqn in view["state"]:
-                write_back(osd["state"][fqn], view["state"][fqn])
-            else:
-                del osd["state"][fqn]
+        params = {fqn for group in osd["param_groups"] for fqn in group["params"]}
+        for fqn in [fqn for fqn in osd["state"] if fqn not in view["state"]]:
+            del osd["state"][fqn]
+        for fqn in params & view["state"].keys():
+            osd["state"][fqn] = view["state"][fqn]
 
 
 def templates(layout: Mapping[str, Any]) -> dict[str, Any]:

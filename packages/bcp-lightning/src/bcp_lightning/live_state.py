@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from bcp.integration import adapter_for, flat_optimizer_values, nested_optimizer_state
+from bcp.integration import adapter_for, flat_optimizer_values, initialize_state, nested_optimizer_state
 
 
 class LiveState(Protocol):
@@ -45,6 +45,8 @@ class TorchStateDicts:
 
     def optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, for_load: bool) -> dict[str, Any]:
         never_stepped = not any(optimizer.state.values())
+        if for_load:  # torch's own initialization steps without the closure L-BFGS needs, dense for SparseAdam
+            initialize_state(optimizer)
         state = get_optimizer_state_dict(model, optimizer)  # creates missing state itself (a step at lr 0)
         if never_stepped and not for_load:
             # Saved as Optimizer.state_dict() gives it, with no state: the created state would be

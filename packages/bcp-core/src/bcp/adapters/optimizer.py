@@ -2,45 +2,62 @@
 FQN-keyed dicts of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``.
 
 Names: ``state/<param fqn>/<state key>`` for per-parameter state (tensors follow the parameter's
-sharding), ``param_groups`` for the groups' hyper-parameters with parameters listed by FQN.
+sharding), ``param_groups`` for the groups' hyper-parameters with parameters listed by FQN, and
+``empty_state`` for the parameters whose state is an entry with no key (saved only where there is one).
 
-Loaded values go back as ``torch.optim.Optimizer.load_state_dict`` gives them: the state of a
-parameter with no loaded state is removed, hyper-parameters are the saved ones.
+A load gives the optimizer what ``torch.optim.Optimizer.load_state_dict`` gives: the saved state
+replaces the live one, entry for entry. A parameter the checkpoint holds no state for has none; one
+saved with an empty entry has an empty entry; every saved key is restored, ``None`` and other plain
+values included, saved tensors the live state lacks in new tensors placed as torch places them; the
+param groups hold the saved hyper-parameters and no others. A live key the checkpoint lacks for a
+parameter whose state it holds is missing, as any wanted tensor (``strict`` refuses it).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import inspect
+from typing import Any, Collection, Mapping
 
 import torch
 
 from bcp.adapters.fqn import canonical, canonical_map
 from bcp.errors import AdapterError, MismatchError
-from bcp.layout.shards import is_tensor_value
+from bcp.layout.dtypes import dtype_from_name
+from bcp.layout.shards import FlatShard, is_tensor_value
 
 STATE = "state/"
 PARAM_GROUPS = "param_groups"
+EMPTY_STATE = "empty_state"
+#: The values whose records from every saved rank load together: which parameters a rank holds
+#: changes with the layout, and these name parameters.
+MERGED = (PARAM_GROUPS, EMPTY_STATE)
+_PARAMS = "params"
+_PARAM_NAMES = "param_names"
 
 
 def optimizer_values(model: Any, optimizer: Any, *, for_load: bool) -> dict[str, Any]:
     if isinstance(optimizer, Mapping):
-        return _dict_values(optimizer)
+        return _dict_values(optimizer, for_load=for_load)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise AdapterError(f"'optimizer' must be a torch.optim.Optimizer or an FQN-keyed state dict, "
                            f"got {type(optimizer).__name__}")
     names = _param_names(model)
     if for_load:
         initialize_state(optimizer)
-    group_names = [_group_names(names, g["params"], i) for i, g in enumerate(optimizer.param_groups)]
-    values: dict[str, Any] = {}
-    for group, fqns in zip(optimizer.param_groups, group_names):
-        for param, fqn in zip(group["params"], fqns):
-            for key, value in optimizer.state.get(param, {}).items():
-                values[f"{STATE}{fqn}/{key}"] = value
-    values[PARAM_GROUPS] = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": fqns}
-        for g, fqns in zip(optimizer.param_groups, group_names)
-    ]
+    group_names = [_group_names(names, g[_PARAMS], i) for i, g in enumerate(optimizer.param_groups)]
+    per_param = {fqn: optimizer.state[param] for group, fqns in zip(optimizer.param_groups, group_names)
+                 for param, fqn in zip(group[_PARAMS], fqns) if param in optimizer.state}
+    groups = [{**{k: v for k, v in g.items() if k != _PARAMS}, _PARAMS: fqns}
+              for g, fqns in zip(optimizer.param_groups, group_names)]
+    return _flat(per_param, groups, for_load=for_load)
+
+
+def _flat(per_param: Mapping[str, Mapping[str, Any]], groups: list[dict], *, for_load: bool) -> dict[str, Any]:
+    values = {f"{STATE}{fqn}/{key}": value for fqn, state in per_param.items() for key, value in state.items()}
+    values[PARAM_GROUPS] = groups
+    empty = [fqn for fqn, state in per_param.items() if not state]
+    if empty or for_load:  # a load asks for it: the checkpoint may hold empty entries
+        values[EMPTY_STATE] = empty
     return values
 
 
@@ -61,64 +78,115 @@ def _group_names(names: dict[int, str], params: list[Any], group: int) -> list[s
 def nested_optimizer_state(values: Mapping[str, Any]) -> dict[str, Any]:
     """Optimizer values as torch's FQN-keyed optimizer state dict:
     ``{"state": {fqn: {key: value}}, "param_groups": [...]}``."""
-    state: dict[str, dict[str, Any]] = {}
-    for name, value in values.items():
-        if name.startswith(STATE):
-            fqn, key = name[len(STATE):].rsplit("/", 1)
-            state.setdefault(fqn, {})[key] = value
-    return {"state": state, "param_groups": values[PARAM_GROUPS]}
+    return {"state": _per_param(values), "param_groups": values[PARAM_GROUPS]}
 
 
 def flat_optimizer_values(osd: Mapping[str, Any]) -> dict[str, Any]:
     """The reverse of :func:`nested_optimizer_state`."""
-    values = {f"{STATE}{fqn}/{key}": value for fqn, per_param in osd["state"].items() for key, value in per_param.items()}
-    values[PARAM_GROUPS] = osd["param_groups"]
-    return values
+    return _flat(osd["state"], osd["param_groups"], for_load=False)
+
+
+def wanted_as_saved(values: dict[str, Any], prefix: str, saved_tensors: Mapping[str, Any] | None,
+                    saved_objects: Collection[str]) -> dict[str, Any]:
+    """The optimizer values a load wants, given the checkpoint's names (``prefix``: the
+    component's, ending in ``/``): the state of the parameters the checkpoint holds state for, with
+    every key saved for them. A saved tensor the live state lacks (or holds as a plain value) is
+    read into a new CPU tensor, placed by :func:`apply_optimizer_values` as torch places it; a
+    saved plain value is read whatever the live one is."""
+    saved_tensors = saved_tensors or {}
+    params = {fqn for group in values[PARAM_GROUPS] for fqn in group[_PARAMS]}
+    saved = [name[len(prefix):] for names in (saved_tensors, saved_objects) for name in names
+             if name.startswith(prefix + STATE) and _split(name[len(prefix):])[0] in params]
+    with_state = {_split(name)[0] for name in saved}
+    wanted = {name: value for name, value in values.items()
+              if not name.startswith(STATE) or _split(name)[0] in with_state}
+    for name in saved:
+        entry = saved_tensors.get(prefix + name)
+        if entry is not None and not is_tensor_value(wanted.get(name)):
+            wanted[name] = torch.empty(entry.shape, dtype=dtype_from_name(entry.dtype))
+        elif entry is None and prefix + name in saved_objects:
+            wanted.setdefault(name, None)
+    if prefix + EMPTY_STATE not in saved_objects:
+        wanted.pop(EMPTY_STATE, None)
+    return wanted
 
 
 def apply_optimizer_values(model: Any, optimizer: Any, values: dict[str, Any]) -> None:
-    """Set hyper-parameters and non-tensor state (tensors were already filled in place), and remove
-    the state of parameters that ``values`` holds none for."""
+    """Replace the optimizer's state and hyper-parameters with the loaded ones (tensors were
+    filled in place), as ``Optimizer.load_state_dict`` does."""
     if isinstance(optimizer, Mapping):
         _apply_to_dict(optimizer, values)
         return
     names = _param_names(model)
-    by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
-    loaded = _params_with_state(values)
-    for fqn, param in by_name.items():
-        if fqn not in loaded:
-            optimizer.state.pop(param, None)
-    for name, value in values.items():
-        if name.startswith(STATE) and not is_tensor_value(value):
-            fqn, key = name[len(STATE):].rsplit("/", 1)
-            optimizer.state[by_name[fqn]][key] = value
-    if PARAM_GROUPS in values:
-        _apply_groups(optimizer.param_groups, values[PARAM_GROUPS],
-                      [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups])
+    replace_state(optimizer, [[names[id(p)] for p in g[_PARAMS]] for g in optimizer.param_groups],
+                  _per_param(values), values.get(PARAM_GROUPS))
+
+
+def replace_state(optimizer: torch.optim.Optimizer, names: list[list[str]], loaded: Mapping[str, Mapping[str, Any]],
+                  saved_groups: list[dict] | None) -> None:
+    """Give ``optimizer`` the loaded per-parameter state (by FQN; ``names`` lists each group's
+    parameters' FQNs) and the hyper-parameters of ``saved_groups`` (groups listing parameters by
+    FQN; None keeps the live ones), as ``Optimizer.load_state_dict`` does: a parameter without
+    loaded state has none, tensors are placed as torch places them."""
+    if saved_groups is not None:
+        _apply_groups(optimizer.param_groups, saved_groups, names)
+    for group, fqns in zip(optimizer.param_groups, names):
+        for param, fqn in zip(group[_PARAMS], fqns):
+            if fqn in loaded:
+                ordered = _in_live_order(loaded[fqn], optimizer.state.get(param, {}))
+                optimizer.state[param] = {key: placed(param, group, key, value) for key, value in ordered.items()}
+            else:
+                optimizer.state.pop(param, None)
+    # As load_state_dict ends: the optimizer's own defaults for group keys an older save lacks.
+    optimizer.__setstate__({"state": optimizer.state, "param_groups": optimizer.param_groups})
+
+
+def placed(param: torch.Tensor, group: Mapping[str, Any], key: str, value: Any) -> Any:
+    """A loaded per-parameter value where ``Optimizer.load_state_dict`` puts it: floating-point
+    tensors in the parameter's dtype, every tensor on its device, ``step`` as saved unless the group
+    is fused or capturable (then float32 on the device)."""
+    value = value.tensor if isinstance(value, FlatShard) else value
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key == "step":
+        return value.to(device=param.device, dtype=torch.float32) if group.get("capturable") or group.get("fused") \
+            else value
+    return value.to(device=param.device, dtype=param.dtype) if param.is_floating_point() else value.to(param.device)
 
 
 def initialize_state(optimizer: torch.optim.Optimizer) -> None:
     """Create missing per-parameter state by one step with zero gradients and a zero learning rate,
     so a never-stepped optimizer has tensors to load into. Parameters do not change: every update
     is scaled by the learning rate; other parameters' gradients are set aside for the step."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g[_PARAMS]]
     missing = [p for p in params if p.requires_grad and not optimizer.state.get(p)]
     if not missing:
         return
     missing_ids = {id(p) for p in missing}
     saved_grads = {id(p): p.grad for p in params}
     saved_lrs = [g["lr"] for g in optimizer.param_groups]
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)  # it takes sparse gradients only
     try:
         for p in params:
-            p.grad = torch.zeros_like(p) if id(p) in missing_ids else None
+            p.grad = (torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)) if id(p) in missing_ids \
+                else None
         for g in optimizer.param_groups:
             g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
-        optimizer.step()
+        _step(optimizer)
     finally:
         for g, lr in zip(optimizer.param_groups, saved_lrs):
             g["lr"] = lr
         for p in params:
             p.grad = saved_grads[id(p)]
+
+
+def _step(optimizer: torch.optim.Optimizer) -> None:
+    """One step; an optimizer whose step needs a closure (L-BFGS) gets one giving a zero loss."""
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        optimizer.step(lambda: torch.zeros(()))
+    else:
+        optimizer.step()
 
 
 def _param_names(model: Any) -> dict[int, str]:
@@ -128,7 +196,7 @@ def _param_names(model: Any) -> dict[int, str]:
     return {id(p): canonical(n) for n, p in model.named_parameters()}
 
 
-def _dict_values(osd: Mapping[str, Any]) -> dict[str, Any]:
+def _dict_values(osd: Mapping[str, Any], *, for_load: bool) -> dict[str, Any]:
     state = osd.get("state")
     groups = osd.get("param_groups")
     if not isinstance(state, Mapping) or not isinstance(groups, list):
@@ -138,44 +206,66 @@ def _dict_values(osd: Mapping[str, Any]) -> dict[str, Any]:
             "this optimizer state dict is keyed by parameter index (a raw optimizer.state_dict()), which "
             "cannot be resharded; pass the Optimizer object itself, or the FQN-keyed dict from "
             "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer)")
-    values: dict[str, Any] = {}
-    for fqn, per_param in canonical_map(state).items():
-        for key, value in state[per_param].items():
-            values[f"{STATE}{fqn}/{key}"] = value
-    values[PARAM_GROUPS] = [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [canonical(p) for p in g["params"]]}
-        for g in groups
-    ]
-    return values
+    per_param = {fqn: state[original] for fqn, original in canonical_map(state).items()}
+    named = [{**{k: v for k, v in g.items() if k != _PARAMS}, _PARAMS: [canonical(p) for p in g[_PARAMS]]}
+             for g in groups]
+    return _flat(per_param, named, for_load=for_load)
 
 
-def _params_with_state(values: Mapping[str, Any]) -> set[str]:
-    return {name[len(STATE):].rsplit("/", 1)[0] for name in values if name.startswith(STATE)}
+def _per_param(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Loaded per-parameter state by FQN, parameters saved with an empty entry included."""
+    state: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        if name.startswith(STATE):
+            fqn, key = _split(name)
+            state.setdefault(fqn, {})[key] = value
+    for fqn in values.get(EMPTY_STATE, ()):
+        state.setdefault(fqn, {})
+    return state
+
+
+def _in_live_order(loaded: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
+    """A parameter's loaded state with its keys in the order the live optimizer created them (the
+    order it saved them in), then any others by name."""
+    return {key: loaded[key] for key in [*[k for k in live if k in loaded], *sorted(k for k in loaded if k not in live)]}
+
+
+def _split(name: str) -> tuple[str, str]:
+    """``state/<fqn>/<key>`` as ``(fqn, key)``."""
+    fqn, key = name[len(STATE):].rsplit("/", 1)
+    return fqn, key
 
 
 def _apply_to_dict(osd: Any, values: dict[str, Any]) -> None:
-    loaded = _params_with_state(values)
+    """The FQN-keyed dict's state replaced by the loaded one. Per-parameter dicts are kept and
+    refilled (they may be the live optimizer's own); a parameter without loaded state leaves it
+    emptied and removed, one the dict lacks is added under the name its param group gives it."""
+    loaded = _per_param(values)
+    originals = canonical_map([p for g in osd["param_groups"] for p in g[_PARAMS]])
     for original, fqn in [(o, canonical(o)) for o in osd["state"]]:
-        if fqn not in loaded:  # cleared too: the dict may be the live optimizer's own per-parameter state
+        if fqn not in loaded:
             osd["state"].pop(original).clear()
-    originals = canonical_map(osd["state"])
-    for name, value in values.items():
-        if name.startswith(STATE) and not is_tensor_value(value):
-            fqn, key = name[len(STATE):].rsplit("/", 1)
-            osd["state"][originals[fqn]][key] = value
+    for fqn, per_param in loaded.items():
+        if fqn in originals:
+            target = osd["state"].setdefault(originals[fqn], {})
+            ordered = _in_live_order(per_param, target)
+            target.clear()
+            target.update({key: value.tensor if isinstance(value, FlatShard) else value
+                           for key, value in ordered.items()})
     if PARAM_GROUPS in values:
         _apply_groups(osd["param_groups"], values[PARAM_GROUPS],
-                      [[canonical(p) for p in g["params"]] for g in osd["param_groups"]])
+                      [[canonical(p) for p in g[_PARAMS]] for g in osd["param_groups"]])
 
 
 def _apply_groups(live: list[dict], saved: list[dict], live_names: list[list[str]]) -> None:
-    """Give each live group the hyper-parameters its parameters were saved with. ``saved`` may hold
-    the groups of several saved ranks (pipeline stages hold different parameters): a parameter is
-    found by name wherever it was saved, so any change of layout restores every group."""
+    """Give each live group the hyper-parameters its parameters were saved with, and no others (as
+    ``load_state_dict`` replaces each group). ``saved`` may hold the groups of several saved ranks
+    (pipeline stages hold different parameters): a parameter is found by name wherever it was
+    saved, so any change of layout restores every group."""
     settings: dict[str, dict] = {}
     for group in saved:
-        for name in group.get("params", []):
-            settings.setdefault(name, {k: v for k, v in group.items() if k != "params"})
+        for name in group.get(_PARAMS, []):
+            settings.setdefault(name, {k: v for k, v in group.items() if k != _PARAMS})
     for i, (group, names) in enumerate(zip(live, live_names)):
         found = [settings.get(name) for name in names]
         unknown = [name for name, s in zip(names, found) if s is None]
@@ -186,7 +276,18 @@ def _apply_groups(live: list[dict], saved: list[dict], live_names: list[list[str
             raise MismatchError(f"optimizer param group {i} holds parameters that were saved in groups with "
                                 "different hyper-parameters", key="optimizer/param_groups")
         if found:
-            group.update(found[0])
+            replace_group_settings(group, found[0])
+
+
+def replace_group_settings(group: dict[str, Any], saved: Mapping[str, Any]) -> None:
+    """``group`` with the saved hyper-parameters in place of its own, its parameters kept (and
+    their names, where the saved group has none), in the key order ``load_state_dict`` leaves."""
+    kept = {_PARAMS: group[_PARAMS]}
+    if _PARAM_NAMES in group and _PARAM_NAMES not in saved:
+        kept[_PARAM_NAMES] = group[_PARAM_NAMES]
+    group.clear()
+    group.update({k: v for k, v in saved.items() if k != _PARAMS})
+    group.update(kept)
 
 
 def _same(a: dict, b: dict) -> bool:

@@ -24,7 +24,7 @@ from bcp.adapters import adapter_for
 from bcp.adapters.base import FrameworkAdapter
 from bcp.adapters.dataloader import COMPONENT as DATALOADER
 from bcp.adapters.dataloader import DataloaderState
-from bcp.adapters.optimizer import PARAM_GROUPS, STATE
+from bcp.adapters.optimizer import MERGED, wanted_as_saved
 from bcp.api.in_place import into_live
 from bcp.api.state_walk import MODEL, OPTIMIZER, Leaf, ModuleComponent, OptimizerComponent, StateParts, Stateful, walk
 from bcp.errors import AdapterError, CheckpointError, MismatchError
@@ -120,7 +120,7 @@ def _within(path: str, names: Collection[str], loaded: dict[str, Any]) -> dict[s
 
 
 def collect(state: Mapping[str, Any], framework: str | None, *, for_load: bool,
-            saved_tensors: Collection[str] = (), saved_objects: Collection[str] = (),
+            saved_tensors: Mapping[str, Any] | None = None, saved_objects: Collection[str] = (),
             path: str | None = None) -> StateValues:
     """Every value to save or fill, by full name. A load passes the checkpoint's names: every saved
     dataloader part is named (with :data:`SKIP` for those this rank does not read), an optimizer's
@@ -221,9 +221,10 @@ def _module_values(out: StateValues, component: ModuleComponent, framework: str 
 
 def _optimizer_values(out: StateValues, component: OptimizerComponent, parts: StateParts,
                       models: dict[str, ModuleComponent], framework: str | None, state: Mapping[str, Any],
-                      for_load: bool, saved_tensors: Collection[str], saved_objects: Collection[str]) -> list[_Bound]:
+                      for_load: bool, saved_tensors: Mapping[str, Any] | None,
+                      saved_objects: Collection[str]) -> list[_Bound]:
     prefix = f"{component.path}/"
-    groups: list[Any] = []
+    merged: dict[str, list[Any]] = {}  # the optimizer values naming parameters, from every item
     bound = []
     for optimizer, explicit in zip(component.items, component.explicit):
         if isinstance(optimizer, Mapping):  # an FQN-keyed state dict: the adapter of state["model"]
@@ -236,18 +237,18 @@ def _optimizer_values(out: StateValues, component: OptimizerComponent, parts: St
         item = _Bound(optimizer, model, adapter)
         values = adapter.optimizer_state(model, optimizer, for_load=for_load)
         if for_load and adapter.optimizer_state_by_parameter:
-            values = _without_unsaved_parameters(values, prefix, saved_tensors, saved_objects)
+            values = wanted_as_saved(values, prefix, saved_tensors, saved_objects)
         for key, value in values.items():
-            if key == PARAM_GROUPS and adapter.optimizer_state_by_parameter:
-                groups.extend(value)
+            if key in MERGED and adapter.optimizer_state_by_parameter:
+                merged.setdefault(key, []).extend(value)
                 continue
             out.add(prefix + key, value, out.resharded)
             item.names.add(prefix + key)
         bound.append(item)
-    if any(item.adapter.optimizer_state_by_parameter for item in bound):
-        out.add(prefix + PARAM_GROUPS, groups, out.merged)
+    for key, value in merged.items():
+        out.add(prefix + key, value, out.merged)
         for item in bound:
-            item.names.add(prefix + PARAM_GROUPS)
+            item.names.add(prefix + key)
     return bound
 
 
@@ -280,17 +281,6 @@ def _owner(optimizer: torch.optim.Optimizer, modules: list[ModuleComponent], pat
             f"{[where for where, _, _ in held]}); save the module it updates beside it, or pass "
             "bcp.PairedOptimizer(optimizer, module)", key=path)
     return best[1]
-
-
-def _without_unsaved_parameters(values: dict[str, Any], prefix: str, saved_tensors: Collection[str],
-                                saved_objects: Collection[str]) -> dict[str, Any]:
-    """Per-parameter state of parameters the checkpoint holds no state for is not wanted: the load
-    removes it, as ``Optimizer.load_state_dict`` replaces the state with the saved one."""
-    saved_state = f"{prefix}{STATE}"
-    params = {name[len(saved_state):].rsplit("/", 1)[0]
-              for names in (saved_tensors, saved_objects) for name in names if name.startswith(saved_state)}
-    return {key: value for key, value in values.items()
-            if not key.startswith(STATE) or key[len(STATE):].rsplit("/", 1)[0] in params}
 
 
 def _check_not_meta(values: dict[str, Any]) -> None:
