@@ -140,10 +140,14 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> N
 def torch_runs(case: OptimizerCase, layout: str) -> str | None:
     """None where torch trains the case in ``layout`` here; else torch's own error (the same on
     every rank, so ranks skip together)."""
+    return refusal(lambda: train(*build(case, layout, seed=0), range(1)))
+
+
+def refusal(run: Callable[[], Any]) -> str | None:
+    """None where ``run`` runs; else its error in one line: torch's refusal, the reason a case is skipped."""
     try:
-        model, optimizer = build(case, layout, seed=0)
-        train(model, optimizer, range(1))
-    except Exception as exc:  # torch's refusal is the reason the case is skipped
+        run()
+    except Exception as exc:
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
     return None
 

@@ -40,6 +40,7 @@ from bcp_lightning import (  # noqa: E402
     MemoryTierCheckpoint,
 )
 from models import MLP  # noqa: E402
+import lightning_optimizer_cases  # noqa: E402
 
 SAMPLES = 48
 BATCH = 4
@@ -367,9 +368,17 @@ def fit_ids_error(**args: Any) -> str:
     return "no error"
 
 
+def optimizer_semantics(strategy: str, dirpath: str, case_ids: list[str]) -> dict[str, list[str]]:
+    """``lightning_optimizer_cases.compare_cases`` under ``strategy`` (``single``: Lightning's own
+    single-device strategy with BCPCheckpointIO)."""
+    plugins = (lambda: [BCPCheckpointIO()]) if strategy == "single" else (lambda: None)
+    return lightning_optimizer_cases.compare_cases(STRATEGIES[strategy], plugins, LAYOUTS[strategy] == "fsdp2",
+                                                   dirpath, case_ids)
+
+
 CASES = {"fit": fit, "expect_error": expect_error, "count_collectives": count_collectives,
          "pickle_model": pickle_model, "fit_ids": fit_ids, "fit_ids_error": fit_ids_error, "fit_tier": fit_tier,
-         "tier_error": tier_error}
+         "tier_error": tier_error, "optimizer_semantics": optimizer_semantics}
 
 
 def main() -> None:

@@ -59,7 +59,9 @@ class TorchStateDicts:
         set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
 
     def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(model, optimizer, state)
+        # Not strict: a parameter without saved state (L-BFGS keeps all of it on the first one) has
+        # none after the load, as Optimizer.load_state_dict gives it; bcp checked the names itself.
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(strict=False))
 
 
 class FSDP1Shards:
