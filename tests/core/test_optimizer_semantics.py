@@ -12,6 +12,7 @@ import torch
 
 import bcp
 from optimizer_cases import (
+    NEVER_STEPPED,
     STEPS,
     OptimizerCase,
     build,
@@ -34,8 +35,8 @@ def _load(case: OptimizerCase, model, optimizer, path: str) -> None:
     bcp.load(path, {"model": model, "optimizer": optimizer})
 
 
-def compare_in(layout: str, workdir: str) -> dict[str, list[str]]:
-    return compare_cases(layout, _load, _save, workdir)
+def compare_in(layout: str, workdir: str, steps: int = STEPS, case_ids: list[str] | None = None) -> dict[str, list[str]]:
+    return compare_cases(layout, _load, _save, workdir, steps, case_ids)
 
 
 def test_the_cases_are_every_optimizer_of_torch_optim_with_its_options():
@@ -47,19 +48,22 @@ def test_the_cases_are_every_optimizer_of_torch_optim_with_its_options():
     assert all(any(case.name == name for case in optimizer_cases()) for name in names)
 
 
-def test_bcp_load_gives_what_load_state_dict_gives(tmp_path):
-    found = compare_in("plain", str(tmp_path))
+@pytest.mark.parametrize("steps", [STEPS, 0], ids=["trained", "saved-before-any-step"])
+def test_bcp_load_gives_what_load_state_dict_gives(tmp_path, steps):
+    found = compare_in("plain", str(tmp_path), steps)
     assert not failures(found), failures(found)
     ran = [case for case, diffs in found.items() if not diffs]
-    assert len(ran) >= 40 and any(case.startswith("LBFGS") for case in ran) and "SparseAdam" in ran
+    assert len(ran) >= 50 and "LBFGS" in ran and "SparseAdam" in ran
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
 def test_the_same_on_two_ranks(ranks, tmp_path, layout):
-    found = ranks(2).run(compare_in, layout, str(tmp_path))
-    for rank_found in found:
+    found = ranks(2).run(compare_in, layout, str(tmp_path / "trained"))
+    found_before = ranks(2).run(compare_in, layout, str(tmp_path / "before"), 0, NEVER_STEPPED)
+    for rank_found in [*found, *found_before]:
         assert not failures(rank_found), failures(rank_found)
-    assert sum(not diffs for diffs in found[0].values()) >= 30
+    assert sum(not diffs for diffs in found[0].values()) >= 40
+    assert sum(not diffs for diffs in found_before[0].values()) >= 4
 
 
 def test_empty_entries_and_none_values_come_back(tmp_path):

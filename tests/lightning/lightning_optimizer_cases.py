@@ -74,19 +74,25 @@ def _data() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(data, batch_size=4)
 
 
-def compare_cases(strategy: Any, plugins: Any, fsdp2: bool, dirpath: str, case_ids: list[str]) -> dict[str, list[str]]:
-    """Per case: its differences from torch, or ``skipped: <torch's error>`` where training fails."""
+def compare_cases(strategy: Any, plugins: Any, fsdp2: bool, dirpath: str, case_ids: list[str],
+                  steps: int = STEPS) -> dict[str, list[str]]:
+    """Per case, trained ``steps`` (0: saved before any step): its differences from torch, or
+    ``skipped: <torch's error>`` where training fails."""
     found: dict[str, list[str]] = {}
     for number, case_id in enumerate(case_ids):
         path = f"{dirpath}/{number}.ckpt"
-        trainer = _trainer(strategy, plugins, STEPS, [])
-        refused = refusal(lambda: trainer.fit(LitCase(case_id, fsdp2), train_dataloaders=_data()))
+        trainer = _trainer(strategy, plugins, steps, [])
+        # torch's refusal shows in training: a run saved before any step is tried with one first
+        tried = _trainer(strategy, plugins, 1, []) if steps == 0 else trainer
+        refused = refusal(lambda: tried.fit(LitCase(case_id, fsdp2), train_dataloaders=_data()))
         if refused is not None:
             found[case_id] = [f"skipped: {refused}"]
             continue
+        if steps == 0:
+            trainer.fit(LitCase(case_id, fsdp2), train_dataloaders=_data())
         trainer.save_checkpoint(path)
         compare = CompareAtStart(case_by_id(case_id), saved_state(trainer.optimizers[0]))
-        _trainer(strategy, plugins, STEPS + 1, [compare]).fit(LitCase(case_id, fsdp2), train_dataloaders=_data(),
+        _trainer(strategy, plugins, steps + 1, [compare]).fit(LitCase(case_id, fsdp2), train_dataloaders=_data(),
                                                               ckpt_path=path)
         found[case_id] = compare.found if compare.found is not None else ["the resumed run did not start"]
     return found

@@ -368,12 +368,12 @@ def fit_ids_error(**args: Any) -> str:
     return "no error"
 
 
-def optimizer_semantics(strategy: str, dirpath: str, case_ids: list[str]) -> dict[str, list[str]]:
+def optimizer_semantics(strategy: str, dirpath: str, case_ids: list[str], steps: int) -> dict[str, list[str]]:
     """``lightning_optimizer_cases.compare_cases`` under ``strategy`` (``single``: Lightning's own
     single-device strategy with BCPCheckpointIO)."""
     plugins = (lambda: [BCPCheckpointIO()]) if strategy == "single" else (lambda: None)
     return lightning_optimizer_cases.compare_cases(STRATEGIES[strategy], plugins, LAYOUTS[strategy] == "fsdp2",
-                                                   dirpath, case_ids)
+                                                   dirpath, case_ids, steps)
 
 
 CASES = {"fit": fit, "expect_error": expect_error, "count_collectives": count_collectives,

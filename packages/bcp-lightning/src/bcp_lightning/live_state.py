@@ -44,15 +44,19 @@ class TorchStateDicts:
         return get_model_state_dict(model)
 
     def optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, for_load: bool) -> dict[str, Any]:
-        never_stepped = not any(optimizer.state.values())
-        if for_load:  # torch's own initialization steps without the closure L-BFGS needs, dense for SparseAdam
-            initialize_state(optimizer)
-        state = get_optimizer_state_dict(model, optimizer)  # creates missing state itself (a step at lr 0)
-        if never_stepped and not for_load:
+        before = dict(optimizer.state) if not any(optimizer.state.values()) else None  # never stepped
+        # torch's get_optimizer_state_dict creates missing state with a step at learning rate 0, but
+        # without the closure L-BFGS needs and with the dense gradients SparseAdam refuses: bcp's does.
+        initialize_state(optimizer)
+        state = get_optimizer_state_dict(model, optimizer)
+        if before is not None and not for_load:
             # Saved as Optimizer.state_dict() gives it, with no state: the created state would be
             # saved and would stay, one Adam step ahead of the run that did not save.
             optimizer.state.clear()
-            return {"state": {}, "param_groups": state["param_groups"]}
+            optimizer.state.update(before)
+            names = dict(zip((p for g in optimizer.param_groups for p in g["params"]),
+                             (n for g in state["param_groups"] for n in g["params"])))
+            return {"state": {names[p]: {} for p in before if p in names}, "param_groups": state["param_groups"]}
         return state
 
     def load_model(self, model: torch.nn.Module, state: dict[str, Any], *, strict: bool) -> None:

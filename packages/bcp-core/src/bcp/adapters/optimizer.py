@@ -16,6 +16,7 @@ parameter whose state it holds is missing, as any wanted tensor (``strict`` refu
 from __future__ import annotations
 
 import inspect
+from collections import defaultdict
 from typing import Any, Collection, Mapping
 
 import torch
@@ -130,15 +131,17 @@ def replace_state(optimizer: torch.optim.Optimizer, names: list[list[str]], load
     loaded state has none, tensors are placed as torch places them."""
     if saved_groups is not None:
         _apply_groups(optimizer.param_groups, saved_groups, names)
+    # A new state, as load_state_dict makes: nothing of the live one stays, not even entries keyed
+    # by tensors that are no longer parameters (L-BFGS keys its state by the parameters it was
+    # built with, which FSDP2's preparation in accelerate replaces).
+    state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
     for group, fqns in zip(optimizer.param_groups, names):
         for param, fqn in zip(group[_PARAMS], fqns):
             if fqn in loaded:
                 ordered = _in_live_order(loaded[fqn], optimizer.state.get(param, {}))
-                optimizer.state[param] = {key: placed(param, group, key, value) for key, value in ordered.items()}
-            else:
-                optimizer.state.pop(param, None)
+                state[param] = {key: placed(param, group, key, value) for key, value in ordered.items()}
     # As load_state_dict ends: the optimizer's own defaults for group keys an older save lacks.
-    optimizer.__setstate__({"state": optimizer.state, "param_groups": optimizer.param_groups})
+    optimizer.__setstate__({"state": state, "param_groups": optimizer.param_groups})
 
 
 def placed(param: torch.Tensor, group: Mapping[str, Any], key: str, value: Any) -> Any:
