@@ -18,7 +18,8 @@ SLOW_RANK = 5  # its storage path is overloaded: its write phase takes three tim
 def simulated_op(op: str, generation: int, start: float, slow_rank: int | None, rng: random.Random) -> OpRecord:
     lengths = ({"collect": (0.02, 0.01), "plan": (0.01, 0.005), "stage": (0.15, 0.03), "write": (0.8, 0.15)}
                if op == "save" else
-               {"metadata": (0.03, 0.01), "plan": (0.02, 0.005), "read": (1.1, 0.2), "apply": (0.1, 0.02)})
+               {"metadata": (0.03, 0.01), "plan": (0.02, 0.005), "read": (1.1, 0.2), "agree": (0.01, 0.005),
+                "apply": (0.1, 0.02)})
     ranks = []
     for rank in range(8):
         pp, dp, tp = rank // 4, (rank // 2) % 2, rank % 2
@@ -29,8 +30,10 @@ def simulated_op(op: str, generation: int, start: float, slow_rank: int | None, 
         for name, length in seconds.items():
             phases.append((name, at, at + length))
             at += length
+        # the data-parallel ranks of the first stage also save the dataloader's position (values)
+        values = 3_000_000 if pp == 0 else 40_000
         ranks.append(RankRecord(rank, f"node{rank // 4}", rank % 4, {"pp": pp, "dp": dp, "tp": tp}, phases,
-                                bytes=2_000_000_000))
+                                bytes=2_000_000_000 + values, value_bytes=values))
     end = max(r.phases[-1][2] for r in ranks)
     if op == "save":
         # rank 0's commit phase waits in the commit exchange for every rank's report, then commits

@@ -34,9 +34,11 @@ def test_save_and_load_records_in_python_log_and_logger(tmp_path, caplog):
         result = bcp.load(tmp_path, {"model": {"w": torch.zeros(1000)}})
     saved, loaded = handle.metrics, result.metrics
     assert saved.ok and saved.bytes == 4000 and saved.ranks[0].topology == {"dp": 0}
-    assert [name for name, _, _ in saved.ranks[0].phases] == ["collect", "plan", "stage", "write", "commit"]
+    assert [name for name, _, _ in saved.ranks[0].phases] == [
+        "collect", "plan", "plan.exchange", "plan.writes", "stage", "queue", "write", "queue", "commit"]
     assert saved.blocking_seconds < saved.seconds  # the async save returned before it committed
-    assert [name for name, _, _ in loaded.ranks[0].phases] == ["metadata", "plan", "read", "apply"]
+    assert [name for name, _, _ in loaded.ranks[0].phases] == [
+        "metadata", "plan", "plan.state", "plan.staging", "plan.reads", "read", "agree", "apply", "confirm"]
     assert list(read_records(tmp_path)) == [saved.to_json(), loaded.to_json()]
     assert OpRecord.from_json(json.loads(json.dumps(saved.to_json()))) == saved
     summaries = [r.getMessage() for r in caplog.records if r.name == "bcp" and r.levelno == logging.INFO]

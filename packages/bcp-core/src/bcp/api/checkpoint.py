@@ -68,6 +68,11 @@ class Checkpoint:
         """Bytes read from storage through this checkpoint so far."""
         return self._reader.bytes_read
 
+    @property
+    def value_bytes_read(self) -> int:
+        """Of :attr:`bytes_read`, those of values (the rest are tensors' bytes)."""
+        return self._reader.value_bytes_read
+
     def run_reads(self, ops: list[ReadOp], on_done: Callable[[ReadOp], None] | None = None) -> None:
         """Run planned reads (:meth:`plan`), filling their destinations, on up to ``io_threads``
         threads; ``on_done(op)`` (on a reader thread) once each op's bytes are in place."""

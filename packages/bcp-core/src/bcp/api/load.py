@@ -154,23 +154,32 @@ def _load(source: ReadSource, want: Want, options: LoadOptions, coord: Coordinat
     result = LoadResult(checkpoint.path, checkpoint.generation, manifest.world_size, manifest.framework,
                         stats=stats)
     with stats.phase("plan"):
-        planned = Outcome.of(lambda: _plan(want(checkpoint, result), checkpoint, options))
-    if isinstance(planned.error, CheckpointError):
-        planned.error.at(checkpoint.path)
-    gathered = Outcome.of(lambda: source.gather(coord, checkpoint, planned.value.ops if planned.error is None
-                                                 else None))
-    roles = _read_once_roles(coord, planned, checkpoint) if options.read_once else None
-    read = Outcome.of(lambda: _read(planned, checkpoint, roles, coord, result)) if gathered.error is None \
-        else gathered
-    stats.bytes = checkpoint.bytes_read
-    _agree_on_reading(coord, planned, read, checkpoint, result, options.strict)
+        planned = Outcome.of(lambda: _plan(want, checkpoint, result, options))
+        if isinstance(planned.error, CheckpointError):
+            planned.error.at(checkpoint.path)
+        roles = None
+        if options.read_once:
+            with stats.phase("plan.readers"):
+                roles = _read_once_roles(coord, planned, checkpoint)
+    with stats.phase("read"):
+        gathered = Outcome.of(lambda: source.gather(coord, checkpoint, planned.value.ops if planned.error is None
+                                                     else None))
+        read = Outcome.of(lambda: _read(planned, checkpoint, roles, coord, result)) if gathered.error is None \
+            else gathered
+    stats.bytes, stats.value_bytes = checkpoint.bytes_read, checkpoint.value_bytes_read
+    if read.error is not None:  # raised by the agreement, where it surfaces on every rank
+        stats.failed_phase = "plan" if planned.error is not None else "read"
+    with stats.phase("agree"):
+        _agree_on_reading(coord, planned, read, checkpoint, result, options.strict)
     with stats.phase("apply"):
         applied = Outcome.of(lambda: _apply(planned.value, read.value))
-    if planned.error is None:  # the staging buffers serve the next load, whatever happened to this one
-        planned.value.staging.release()
-    # every rank's metrics record travels on the final agreement: monitoring adds no exchange
-    every_rank = all_agree(coord, Outcome(monitor.rank_wire(), applied.error),
-                           f"restoring the state loaded from {checkpoint.path}")
+        if planned.error is None:  # the staging buffers serve the next load, whatever happened to this one
+            planned.value.staging.release()
+    # every rank's metrics record travels on the final agreement, so monitoring adds no exchange;
+    # the coordinating rank's own record, completed after it, also holds its wait there
+    with stats.phase("confirm"):
+        every_rank = all_agree(coord, Outcome(monitor.rank_wire(), applied.error),
+                               f"restoring the state loaded from {checkpoint.path}")
     if coord.rank == 0:
         monitor.finish(every_rank)
         result.metrics = monitor.record
@@ -191,11 +200,16 @@ class _Plan:
     place_as_read: bool = False
 
 
-def _plan(wanted: Wanted, checkpoint: Checkpoint, options: LoadOptions) -> _Plan:
-    plan = _Plan(wanted, place_as_read=not options.transactional)
-    pieces, plan.staged = staged(checkpoint.manifest, wanted.pieces, every=options.transactional,
-                                 allocate=plan.staging.allocate, in_host_memory=plan.staging.in_host_memory)
-    plan.ops = checkpoint.plan(pieces)
+def _plan(want: Want, checkpoint: Checkpoint, result: LoadResult, options: LoadOptions) -> _Plan:
+    """The plan, in parts: what the live state wants (its names matched against the checkpoint's),
+    the staging tensors of a transactional load or of pieces in accelerator memory, the reads."""
+    with result.stats.phase("plan.state"):
+        plan = _Plan(want(checkpoint, result), place_as_read=not options.transactional)
+    with result.stats.phase("plan.staging"):
+        pieces, plan.staged = staged(checkpoint.manifest, plan.wanted.pieces, every=options.transactional,
+                                     allocate=plan.staging.allocate, in_host_memory=plan.staging.in_host_memory)
+    with result.stats.phase("plan.reads"):
+        plan.ops = checkpoint.plan(pieces)
     return plan
 
 
@@ -313,13 +327,12 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
     if planned.error is not None:
         raise planned.error
     plan: _Plan = planned.value
-    with result.stats.phase("read"):
-        if roles is None:
-            pairs = [(piece.tensor, staging) for piece, staging in plan.staged] if plan.place_as_read else []
-            checkpoint.run_reads(plan.ops, on_done=plan.staging.place_as_read(pairs, plan.ops))
-        else:
-            result.stats.received_bytes = checkpoint.run_reads_shared(plan.ops, roles, coord.process_group())
-        return plan.wanted.read_values(checkpoint, coord, result)
+    if roles is None:
+        pairs = [(piece.tensor, staging) for piece, staging in plan.staged] if plan.place_as_read else []
+        checkpoint.run_reads(plan.ops, on_done=plan.staging.place_as_read(pairs, plan.ops))
+    else:
+        result.stats.received_bytes = checkpoint.run_reads_shared(plan.ops, roles, coord.process_group())
+    return plan.wanted.read_values(checkpoint, coord, result)
 
 
 def _agree_on_reading(coord: Coordinator, planned: Outcome, read: Outcome, checkpoint: Checkpoint,

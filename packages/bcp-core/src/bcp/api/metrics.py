@@ -27,8 +27,10 @@ log_output.install(logger)
 
 @dataclass(slots=True)
 class RankRecord:
-    """What one rank did: its phases as (name, start, end) in seconds since the epoch, the bytes it
-    wrote or read (and received from other ranks), its error if it failed, and where it runs."""
+    """What one rank did: its phases as (name, start, end) in seconds since the epoch, in the order
+    they began (a phase before its parts), the bytes it
+    wrote or read (of them, values' bytes; and the bytes received from other ranks), its error if
+    it failed, and where it runs."""
 
     rank: int
     host: str
@@ -40,14 +42,22 @@ class RankRecord:
     error: str | None = None
     #: Storage requests retried during the operation, by cause (backends that retry, as s3:// does).
     retries: dict[str, int] = field(default_factory=dict)
+    #: Of ``bytes``, those of values; None in records of bcp versions that did not tell them apart.
+    value_bytes: int | None = None
 
     @staticmethod
     def of(rank: int, stats: PhaseStats, topology: Mapping[str, int] | None,
            retries: Mapping[str, int] | None = None) -> "RankRecord":
         local = os.environ.get("LOCAL_RANK")
         return RankRecord(rank, socket.gethostname(), int(local) if local is not None else None,
-                          dict(topology or {}), list(stats.spans), stats.bytes, stats.received_bytes,
-                          retries=dict(retries or {}))
+                          dict(topology or {}), sorted(stats.spans, key=lambda span: (span[1], -span[2])),
+                          stats.bytes, stats.received_bytes,
+                          retries=dict(retries or {}), value_bytes=stats.value_bytes)
+
+    @property
+    def tensor_bytes(self) -> int | None:
+        """Of ``bytes``, those of tensors (None where values' bytes were not recorded)."""
+        return None if self.value_bytes is None else self.bytes - self.value_bytes
 
     def seconds(self) -> dict[str, float]:
         """Seconds per phase (a phase run twice counts twice)."""
@@ -58,24 +68,26 @@ class RankRecord:
 
     def to_wire(self) -> list[Any]:
         return [self.rank, self.host, self.local_rank, self.topology, [list(p) for p in self.phases], self.bytes,
-                self.received_bytes, self.error, self.retries]
+                self.received_bytes, self.error, self.retries, self.value_bytes]
 
     @staticmethod
     def from_wire(wire: list[Any]) -> "RankRecord":
-        rank, host, local_rank, topology, phases, nbytes, received, error, retries = wire
+        rank, host, local_rank, topology, phases, nbytes, received, error, retries, value_bytes = wire
         return RankRecord(rank, host, local_rank, dict(topology), [tuple(p) for p in phases], nbytes, received,
-                          error, dict(retries))
+                          error, dict(retries), value_bytes)
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "host": self.host, "local_rank": self.local_rank, "topology": self.topology,
                 "phases": [{"name": n, "start": s, "end": e} for n, s, e in self.phases], "bytes": self.bytes,
+                "tensor_bytes": self.tensor_bytes, "value_bytes": self.value_bytes,
                 "received_bytes": self.received_bytes, "error": self.error, "retries": self.retries}
 
     @staticmethod
     def from_json(data: Mapping[str, Any]) -> "RankRecord":
         return RankRecord(data["rank"], data.get("host", ""), data.get("local_rank"), dict(data.get("topology") or {}),
                           [(p["name"], p["start"], p["end"]) for p in data.get("phases", [])], data.get("bytes", 0),
-                          data.get("received_bytes", 0), data.get("error"), dict(data.get("retries") or {}))
+                          data.get("received_bytes", 0), data.get("error"), dict(data.get("retries") or {}),
+                          data.get("value_bytes"))
 
 
 @dataclass(slots=True)
@@ -101,6 +113,12 @@ class OpRecord:
         return sum(r.bytes for r in self.ranks)
 
     @property
+    def value_bytes(self) -> int | None:
+        """Of ``bytes``, those of values (None where a rank's record does not say)."""
+        counts = [r.value_bytes for r in self.ranks]
+        return None if None in counts else sum(counts)
+
+    @property
     def title(self) -> str:
         """``bcp save /ckpt generation 42``; without the generation where none was reached (a load
         that failed before reading one)."""
@@ -110,7 +128,7 @@ class OpRecord:
     def to_json(self) -> dict[str, Any]:
         return {"op": self.op, "path": self.path, "generation": self.generation, "world_size": self.world_size,
                 "start": self.start, "seconds": self.seconds, "blocking_seconds": self.blocking_seconds,
-                "bytes": self.bytes, "ok": self.ok, "failed_phase": self.failed_phase, "error": self.error,
+                "bytes": self.bytes, "value_bytes": self.value_bytes, "ok": self.ok, "failed_phase": self.failed_phase, "error": self.error,
                 "version": self.version, "ranks": [r.to_json() for r in self.ranks]}
 
     @staticmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -157,12 +158,14 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
     with stats.phase("collect"):
         collected = Outcome.of(lambda: _collect(state, options, location.display))
     with stats.phase("plan"):
-        generation, plan, share, value_digests = _agree_on_plan(coord, location, collected, rt,
-                                                                cache=not options.verify_replicas)
-    monitor.generation = generation
-    pieces = writes_of(share.pieces, plan.writes, share.crcs)
-    manifest_of = _manifest_builder(generation, collected.value.framework, plan, options.step)
-    values = values_to_write(coord.rank, share.values, value_digests)
+        with stats.phase("plan.exchange"):
+            generation, plan, share, value_digests = _agree_on_plan(coord, location, collected, rt,
+                                                                    cache=not options.verify_replicas)
+        monitor.generation = generation
+        with stats.phase("plan.writes"):  # identical values are written once: hashing them takes time
+            pieces = writes_of(share.pieces, plan.writes, share.crcs)
+            manifest_of = _manifest_builder(generation, collected.value.framework, plan, options.step)
+            values = values_to_write(coord.rank, share.values, value_digests)
     tensors = [piece.tensor() for piece in pieces]
     copies = ChunkedCopies(rt.chunks, tensors)  # here: device copies follow the work queued so far
     if not options.async_save:
@@ -171,8 +174,8 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
                stats, monitor)
         return SaveHandle(location.display, generation, stats, monitor=monitor)
 
-    background_coord = coord.sibling()  # collective: before the background thread needs it
-    with stats.phase("stage"):
+    with stats.phase("stage"):  # everything the training thread does before it gets control back
+        background_coord = coord.sibling()  # collective: before the background thread needs it
         values = [value.snapshot() for value in values]  # the state may change once save returns
         buffer = rt.buffers.acquire(staged_nbytes(pieces))
         try:
@@ -186,13 +189,18 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
                               abandon=rt.background.abandon, in_process=_in_process(rt, location, buffer, options))
     monitor.returned()  # the caller gets control back: the blocking time ends here
 
+    handed_over = time.time()
+
     def write() -> Outcome:
+        # "queue": the wait for the lane's threads, long where an earlier save still writes or commits
+        stats.add("queue", handed_over, time.time())
         try:
             return write_share(background_coord.rank, writer, pieces, values, stats, monitor=monitor)
         finally:  # durable: the next save may stage into it, whatever the barrier does
             rt.buffers.release(buffer, copied_from=copied_from)
 
     def commit_in_background(report: Outcome) -> None:
+        stats.add("queue", stats.spans[-1][2], time.time())  # from the end of this save's write
         commit(background_coord, writer, report, manifest_of, stats, monitor)
 
     job = rt.background.submit(write, commit_in_background, label=f"{location.display} (generation {generation})")

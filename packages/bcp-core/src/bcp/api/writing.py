@@ -45,6 +45,7 @@ def write_share(rank: int, writer: GenerationWriter, pieces: Sequence[PieceWrite
     with stats.phase("write"):
         written = Outcome.of(lambda: writer.write_rank(rank, pieces, values, on_written))
     stats.bytes = written.value.nbytes if written.error is None else 0
+    stats.value_bytes = sum(value.nbytes for value in written.value.values) if written.error is None else 0
     return Outcome([written.value.to_wire(), monitor.rank_wire() if monitor else None]
                    if written.error is None else None, written.error)
 

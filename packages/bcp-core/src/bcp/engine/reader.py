@@ -40,6 +40,8 @@ class ShardReader:
         self.verify = verify
         self.display = f"{location.display}/gen-{generation:08d}"
         self.bytes_read = 0
+        #: Of ``bytes_read``, those of values' records.
+        self.value_bytes_read = 0
         self._lock = threading.Lock()
         self._sizes: dict[int, int] = {}
         self._planner = SegmentPlanner(manifest.files, manifest.checksum_chunk, verify, self.display)
@@ -188,6 +190,8 @@ class ShardReader:
                                          path=self.display, key=entry.name)
         buffer = bytearray(where.nbytes)
         self.read_range(where, 0, memoryview(buffer), entry.name)
+        with self._lock:
+            self.value_bytes_read += where.nbytes
         return decode_value(memoryview(buffer), tree_nbytes, key=entry.name, path=self.display,
                             allow_pickle=allow_pickle, resolve=resolve)
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from bcp.api.metrics import OpRecord
+from bcp.api.metrics import OpRecord, RankRecord
 from bcp.tools.op_summary import Report, phase_seconds
+from bcp.tools.units import human_bytes
 
 # Which coordinate goes where, by preference; coordinates not named here join the columns.
 _PANELS, _ROWS, _COLUMNS = ("tp",), ("pp",), ("dp", "ep", "cp")
@@ -34,12 +35,14 @@ class Layout:
 
 @dataclass(frozen=True, slots=True)
 class Heatmap:
-    """The PNG written, and the pixel (x, y from the top left) at the centre of each rank's cell."""
+    """The PNG written, and the pixel (x, y from the top left) at the centre of each rank's cell in
+    the map of time (``centres``) and in the map of bytes below it (``byte_centres``)."""
 
     path: str
     size: tuple[int, int]
     centres: dict[int, tuple[float, float]]
     cell_size: tuple[float, float]
+    byte_centres: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 def layout_of(topologies: dict[int, dict[str, int]]) -> Layout:
@@ -86,12 +89,12 @@ def _by_rank(ranks: list[int]) -> Layout:
 
 def draw_heatmap(summary: Report, path: "str | os.PathLike", dpi: int = 100,
                  history: Sequence[OpRecord] = ()) -> Heatmap:
-    """Draw ``summary``'s phase (time per rank) as a heat map PNG at ``path``; with ``history`` (the
-    log's records, the summarized one among them) a timeline of those operations below it."""
+    """Draw ``summary``'s phase (time per rank) as a heat map PNG at ``path``, the bytes each rank
+    wrote or read below it (tensors and values apart); with ``history`` (the log's records, the
+    summarized one among them) a timeline of those operations at the bottom."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     record, phase = summary.record, summary.phase
     history = history if len(history) > 1 else ()  # one operation has no course over time
@@ -99,29 +102,61 @@ def draw_heatmap(summary: Report, path: "str | os.PathLike", dpi: int = 100,
     scale, unit = _time_unit(max(seconds.values(), default=0.0))
     layout = layout_of({r.rank: r.topology for r in record.ranks if r.rank in seconds})
     n_panels, n_rows, n_columns = len(layout.panel_labels), len(layout.row_labels), len(layout.column_labels)
-    grids = np.full((n_panels, n_rows, n_columns), np.nan)
-    for rank, (p, r, c) in layout.cells.items():
-        grids[p, r, c] = seconds[rank] * scale
-    # From zero: colours then compare times, and a few milliseconds of spread stay a few shades.
-    high = max(seconds.values(), default=0.0) * scale or 1.0
     straggler = summary.straggler.slowest_rank if summary.straggler and summary.straggler.phase == phase else None
+    by_rank = {r.rank: r for r in record.ranks}
 
     width = min(4.5 + 1.1 * n_columns * n_panels, 40.0)
     map_height = min(2.4 + 0.75 * n_rows, 30.0)
     timeline_height = 2.2 if history else 0.0
-    fig = plt.figure(figsize=(max(width, 7.0 if history else 0.0), map_height + timeline_height), dpi=dpi,
+    fig = plt.figure(figsize=(max(width, 7.0 if history else 0.0), 2 * map_height + timeline_height), dpi=dpi,
                      layout="constrained")
-    grid = fig.add_gridspec(2 if history else 1, n_panels,
-                            height_ratios=[map_height, timeline_height] if history else None)
-    axes = [fig.add_subplot(grid[0, p]) for p in range(n_panels)]
+    heights = [map_height, map_height] + ([timeline_height] if history else [])
+    grid = fig.add_gridspec(len(heights), n_panels, height_ratios=heights)
+    time_axes = [fig.add_subplot(grid[0, p]) for p in range(n_panels)]
+    byte_axes = [fig.add_subplot(grid[1, p]) for p in range(n_panels)]
+    times = {rank: seconds[rank] * scale for rank in seconds}
+    _draw_map(fig, time_axes, layout, times, lambda rank: f"{times[rank]:.3g} {unit}", straggler,
+              f"{phase} time per rank ({unit})")
+    moved = {rank: float(by_rank[rank].bytes) for rank in seconds}
+    bytes_scale, bytes_unit = _bytes_unit(max(moved.values(), default=0.0))
+    verb = "written" if record.op == "save" else "read"
+    _draw_map(fig, byte_axes, layout, {rank: n / bytes_scale for rank, n in moved.items()},
+              lambda rank: _bytes_text(by_rank[rank]), straggler, f"bytes {verb} per rank ({bytes_unit})")
+    if straggler is not None:
+        outline = plt.Rectangle((0, 0), 1, 1, fill=False, edgecolor="red", linewidth=3)
+        fig.legend(handles=[outline], labels=["straggler"], loc="outside lower left", fontsize=8, frameon=False)
+    fig.suptitle(f"{record.title}: {phase} time and bytes {verb} per rank\n{_verdict(summary, scale, unit)}",
+                 fontsize=10)
+    if history:
+        _draw_timeline(fig.add_subplot(grid[2, :]), history, record)
+    fig.canvas.draw()
+    size = fig.canvas.get_width_height()
+    centres, cell = _centres(time_axes, layout, size)
+    byte_centres, _ = _centres(byte_axes, layout, size)
+    fig.savefig(os.fspath(path), dpi=dpi)
+    plt.close(fig)
+    return Heatmap(os.fspath(path), size, centres, cell, byte_centres)
+
+
+def _draw_map(fig: Any, axes: list[Any], layout: Layout, values: dict[int, float], text: Any,
+              straggler: int | None, label: str) -> None:
+    """One map over the layout: each rank's value as a colour on a scale from zero (a few percent of
+    spread stays a few shades), ``text(rank)`` in its cell, the straggler outlined."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    grids = np.full((len(layout.panel_labels), len(layout.row_labels), len(layout.column_labels)), np.nan)
+    for rank, (p, r, c) in layout.cells.items():
+        grids[p, r, c] = values[rank]
+    high = max(values.values(), default=0.0) or 1.0
     cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")  # grey: no rank at these coordinates
     image = None
     for p, ax in enumerate(axes):
         image = ax.imshow(grids[p], cmap=cmap, vmin=0.0, vmax=high, aspect="auto")
-        ax.set_yticks(range(n_rows), layout.row_labels)
+        ax.set_yticks(range(len(layout.row_labels)), layout.row_labels)
         ax.set_ylabel(layout.row_title)
         if layout.column_title:
-            ax.set_xticks(range(n_columns), layout.column_labels)
+            ax.set_xticks(range(len(layout.column_labels)), layout.column_labels)
             ax.set_xlabel(layout.column_title)
         else:
             ax.set_xticks([])
@@ -130,20 +165,16 @@ def draw_heatmap(summary: Report, path: "str | os.PathLike", dpi: int = 100,
         for rank, (panel, r, c) in layout.cells.items():
             if panel != p:
                 continue
-            value = seconds[rank] * scale
-            ax.text(c, r, f"rank {rank}\n{value:.3g} {unit}", ha="center", va="center", fontsize=8,
-                    color="white" if value < 0.6 * high else "black")
+            ax.text(c, r, f"rank {rank}\n{text(rank)}", ha="center", va="center", fontsize=8,
+                    color="white" if values[rank] < 0.6 * high else "black")
             if rank == straggler:
                 ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=3))
-    fig.colorbar(image, ax=axes, label=f"{phase} time per rank ({unit})")
-    if straggler is not None:
-        outline = plt.Rectangle((0, 0), 1, 1, fill=False, edgecolor="red", linewidth=3)
-        fig.legend(handles=[outline], labels=["straggler"], loc="outside lower left", fontsize=8, frameon=False)
-    fig.suptitle(f"{record.title}: {phase} time per rank\n{_verdict(summary, scale, unit)}", fontsize=10)
-    if history:
-        _draw_timeline(fig.add_subplot(grid[1, :]), history, record)
-    fig.canvas.draw()
-    size = fig.canvas.get_width_height()
+    fig.colorbar(image, ax=axes, label=label)
+
+
+def _centres(axes: list[Any], layout: Layout, size: tuple[int, int]) -> tuple[dict[int, tuple[float, float]],
+                                                                              tuple[float, float]]:
+    """Each rank's cell centre in pixels from the top left, and a cell's size."""
     centres: dict[int, tuple[float, float]] = {}
     cell = (0.0, 0.0)
     for rank, (p, r, c) in layout.cells.items():
@@ -152,9 +183,21 @@ def draw_heatmap(summary: Report, path: "str | os.PathLike", dpi: int = 100,
         x1, y1 = transform.transform((c + 1, r + 1))
         centres[rank] = (float(x), float(size[1] - y))
         cell = (abs(float(x1 - x)), abs(float(y1 - y)))
-    fig.savefig(os.fspath(path), dpi=dpi)
-    plt.close(fig)
-    return Heatmap(os.fspath(path), size, centres, cell)
+    return centres, cell
+
+
+def _bytes_text(rank: RankRecord) -> str:
+    """A cell's bytes: tensors and values apart where the record tells them apart."""
+    if rank.value_bytes is None:
+        return human_bytes(rank.bytes)
+    return f"T {human_bytes(rank.tensor_bytes or 0)}\nV {human_bytes(rank.value_bytes)}"
+
+
+def _bytes_unit(most: float) -> tuple[float, str]:
+    for power, unit in ((3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if most >= 1024 ** power:
+            return float(1024 ** power), unit
+    return 1.0, "B"
 
 
 def _verdict(summary: Report, scale: float, unit: str) -> str:

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 
 from bcp.api.metrics import OpRecord, transfer_rate
+from bcp.api.phase_stats import is_part
+from bcp.tools.rank_bytes import ByteSummary, described, per_rank, summarize_bytes, why_slow
 from bcp.tools.units import human_bytes
 
 TOTAL = "total"
@@ -20,8 +22,9 @@ STRAGGLER_SECONDS = 0.1
 STRAGGLER_RATIO = 1.5
 _SLOWEST = 5  # ranks listed as the slowest
 # Phases that end in an exchange between the ranks are mostly waiting there: their longest time is
-# the rank that arrived first, not the slow one (and only the coordinating rank runs commit).
-_EXCHANGES = frozenset({"plan", "commit", "metadata"})
+# the rank that arrived first, not the slow one (and only the coordinating rank runs commit and
+# confirm). An asynchronous save's queue is its wait for earlier saves.
+_EXCHANGES = frozenset({"plan", "plan.exchange", "plan.readers", "commit", "metadata", "agree", "confirm", "queue"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +53,8 @@ class PhaseSummary:
 class Report:
     """The summary of one operation. ``phase``: the phase the slowest ranks are ranked by;
     ``widest``: the compared phase whose slowest rank is furthest above the median; ``straggler``:
-    that phase when the gap passes both thresholds, else None."""
+    that phase when the gap passes both thresholds, else None; ``bytes``: what the ranks wrote or
+    read, tensors and values apart."""
 
     record: OpRecord
     phases: list[PhaseSummary]
@@ -60,6 +64,7 @@ class Report:
     straggler: PhaseSummary | None
     straggler_seconds: float = STRAGGLER_SECONDS
     straggler_ratio: float = STRAGGLER_RATIO
+    bytes: tuple[ByteSummary, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         record = self.record
@@ -71,7 +76,10 @@ class Report:
                 "ranked_by": self.phase, "slowest": [{"rank": r, "seconds": s} for r, s in self.slowest],
                 "straggler": None if self.straggler is None else _described(self.straggler),
                 "widest": None if self.widest is None else _described(self.widest),
-                "straggler_thresholds": {"seconds": self.straggler_seconds, "ratio": self.straggler_ratio}}
+                "straggler_thresholds": {"seconds": self.straggler_seconds, "ratio": self.straggler_ratio},
+                "tensor_bytes": None if record.value_bytes is None else record.bytes - record.value_bytes,
+                "value_bytes": record.value_bytes, "byte_summary": [b.to_dict() for b in self.bytes],
+                "ranks": [{"rank": r.rank, "host": r.host, **per_rank(r)} for r in record.ranks]}
 
     def format(self) -> str:
         record = self.record
@@ -86,8 +94,14 @@ class Report:
         for p in self.phases:
             lines.append(f"  {p.phase:<12} {p.ranks:>5} {p.median:>10.4f} {p.p99:>10.4f} {p.max:>10.4f} "
                          f"{p.ratio:>8.2f}  rank {p.slowest_rank}")
-        listed = ", ".join(f"rank {r} ({s:.4f} s)" for r, s in self.slowest)
-        lines.append(f"  slowest ranks in {self.phase}: {listed}")
+        if self.bytes:
+            lines.append(f"  {'bytes':<12} {'ranks':>5} {'median':>10} {'max':>10} {'total':>10} {'max/med':>8}  most")
+        for b in self.bytes:
+            lines.append(f"  {b.kind:<12} {b.ranks:>5} {human_bytes(int(b.median)):>10} {human_bytes(b.max):>10} "
+                         f"{human_bytes(b.total):>10} {b.ratio:>8.2f}  rank {b.most_rank}")
+        ranks = {r.rank: r for r in self.record.ranks}
+        lines.append(f"  slowest ranks in {self.phase}:")
+        lines += [f"    rank {r:<5} {s:.4f} s  {described(ranks[r])}" for r, s in self.slowest]
         lines.append("  " + self.straggler_line())
         return "\n".join(lines)
 
@@ -95,7 +109,9 @@ class Report:
         """``straggler: rank 5 in write, 1.6726 s (2.95x) above the median`` or why there is none."""
         if self.straggler is not None:
             s = self.straggler
-            return f"straggler: rank {s.slowest_rank} in {s.phase}, {s.gap:.4f} s ({s.ratio:.2f}x) above the median"
+            why = why_slow(self.record, s.slowest_rank, s.phase, phase_seconds(self.record, s.phase))
+            return (f"straggler: rank {s.slowest_rank} in {s.phase}, {s.gap:.4f} s ({s.ratio:.2f}x) above the median"
+                    + (f"; {why}" if why else ""))
         thresholds = f"a straggler is {self.straggler_seconds:g} s and {self.straggler_ratio:g}x above it"
         if self.widest is None:
             return "no straggler: no phase ran on more than one rank"
@@ -110,7 +126,7 @@ def phase_seconds(record: OpRecord, phase: str) -> dict[int, float]:
     for rank in record.ranks:
         seconds = rank.seconds()
         if phase == TOTAL:
-            out[rank.rank] = sum(seconds.values())
+            out[rank.rank] = sum(s for name, s in seconds.items() if not is_part(name))
         elif phase in seconds:
             out[rank.rank] = seconds[phase]
     return out
@@ -130,7 +146,8 @@ def summarize_record(record: OpRecord, phase: str | None = None, *, straggler_se
     ranked_by = phase or (widest.phase if widest is not None else TOTAL)
     seconds = phase_seconds(record, ranked_by)
     slowest = sorted(seconds.items(), key=lambda item: -item[1])[:_SLOWEST]
-    return Report(record, phases, ranked_by, slowest, widest, straggler, straggler_seconds, straggler_ratio)
+    return Report(record, phases, ranked_by, slowest, widest, straggler, straggler_seconds, straggler_ratio,
+                  tuple(summarize_bytes(record)))
 
 
 def _summary(name: str, by_rank: dict[int, float]) -> PhaseSummary:

@@ -9,6 +9,7 @@ import os
 from typing import Any, Sequence
 
 from bcp.api.metrics import OpRecord, RankRecord
+from bcp.api.phase_stats import is_part
 
 _GANTT_RANKS = 64  # ranks drawn when none are chosen
 
@@ -49,10 +50,10 @@ def draw_gantt(record: OpRecord, path: "str | os.PathLike", ranks: Sequence[int]
     colours = {name: plt.get_cmap("tab10")(i % 10) for i, name in enumerate(names)}
     origin = _origin(record)
     fig, ax = plt.subplots(figsize=(10, 1.6 + 0.35 * len(chosen)), dpi=dpi, layout="constrained")
-    for row, rank in enumerate(chosen):
-        for name, start, end in rank.phases:
-            ax.broken_barh([((start - origin) * 1e3, (end - start) * 1e3)], (row - 0.4, 0.8),
-                           facecolors=colours[name])
+    for row, rank in enumerate(chosen):  # a phase's parts in the lower half of its bar, over it
+        for name, start, end in sorted(rank.phases, key=lambda phase: is_part(phase[0])):
+            ax.broken_barh([((start - origin) * 1e3, (end - start) * 1e3)],
+                           (row, 0.4) if is_part(name) else (row - 0.4, 0.8), facecolors=colours[name])
     ax.set_yticks(range(len(chosen)), [_rank_label(r) for r in chosen], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(f"time since the first rank started the {record.op} (ms)")
