@@ -25,7 +25,7 @@ import tempfile
 import time
 from importlib import metadata
 
-from bcpbench import distributed, memory, single
+from bcpbench import distributed, memory, single, tensor_path
 from bcpbench.disk import free_bytes, remove
 from bcpbench.launch import launch
 from bcpbench.record import Record
@@ -34,10 +34,10 @@ from bcpbench.state import gpt_shapes, shapes_nbytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILES = {
-    "quick": {"size_mb": 256, "reps": 5, "small_tensors": 1000, "timeout_s": 1800},
-    "full": {"size_mb": 2048, "reps": 5, "small_tensors": 2000, "timeout_s": 7200},
+    "quick": {"size_mb": 256, "reps": 5, "small_tensors": 1000, "tensor_path_mb": 256, "timeout_s": 1800},
+    "full": {"size_mb": 2048, "reps": 5, "small_tensors": 2000, "tensor_path_mb": 1024, "timeout_s": 7200},
 }
-GROUPS = ("single", "distributed", "memory", "planning")
+GROUPS = ("single", "distributed", "memory", "tensors", "planning")
 
 
 def parse() -> argparse.Namespace:
@@ -70,7 +70,8 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="bcp-bench-", dir=args.workdir)
     config = {"size_bytes": size_bytes, "reps": reps, "workdir": workdir, "io_threads": args.io_threads,
               "dcp_threads": args.dcp_threads, "small_tensors": settings["small_tensors"], "small_floats": 256,
-              "fsdp1_bytes": size_bytes, "saves": args.saves, "cases": args.cases}
+              "fsdp1_bytes": size_bytes, "saves": args.saves, "cases": args.cases,
+              "tensor_path_bytes": int((args.size_mb or settings["tensor_path_mb"]) * (1 << 20))}
     _check_room(workdir, size_bytes)
     started, load_before, disk_before = time.time(), _load(), free_bytes(workdir)
     try:
@@ -108,7 +109,8 @@ def main() -> None:
 
 def _run_groups(only: list[str], config: dict, timeout_s: float) -> Record:
     record = Record()
-    for name, fn, world in (("single", single.run, 1), ("distributed", distributed.run, 2), ("memory", memory.run, 1)):
+    for name, fn, world in (("single", single.run, 1), ("distributed", distributed.run, 2), ("memory", memory.run, 1),
+                            ("tensors", tensor_path.one_process, 1), ("tensors", tensor_path.two_processes, 2)):
         if name in only:
             print(f"[bench] {name}: {world} process(es), {config['reps']} reps", flush=True)
             t0 = time.time()
@@ -150,15 +152,25 @@ def _versions() -> str:
 
 
 def _commit() -> str:
-    """The code measured: its commit, marked ``+changes`` when the work tree differs from it."""
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", "-C", HERE, *args], capture_output=True, text=True, check=False)
+    """The code measured: the commit of the bcp package imported, marked ``+changes`` when its work
+    tree differs from it; and the benchmarks' own where they come from another checkout (a package
+    of another commit measured by this harness)."""
+    import bcp
+
+    def git(where: str, *args: str) -> str:
+        done = subprocess.run(["git", "-C", where, *args], capture_output=True, text=True, check=False)
         return done.stdout.strip() if done.returncode == 0 else ""
 
-    commit = git("rev-parse", "--short", "HEAD")
-    if not commit:
-        return "unknown (not a git checkout)"
-    return commit + (" +changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    def described(where: str) -> str:
+        commit = git(where, "rev-parse", "--short", "HEAD")
+        if not commit:
+            return "unknown (not a git checkout)"
+        return commit + (" +changes" if git(where, "status", "--porcelain", "--untracked-files=no") else "")
+
+    package = os.path.dirname(bcp.__file__)
+    if git(package, "rev-parse", "--show-toplevel") == git(HERE, "rev-parse", "--show-toplevel"):
+        return described(package)
+    return f"{described(package)} (bcp-core), benchmarks/ at {described(HERE)}"
 
 
 def _load() -> str:

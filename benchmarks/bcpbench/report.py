@@ -12,9 +12,20 @@ from typing import Any
 from bcpbench import distributed as d2
 from bcpbench import fsdp1
 from bcpbench import single as d1
+from bcpbench import tensor_path as tp
 from bcpbench.methods import FIRST_SAVE
 from bcpbench.record import Record
-from bcpbench.targets import BARE_COPY, DCP, MEMCPY, checks, floor_seconds, per_tensor_ms, ratio
+from bcpbench.targets import (
+    BARE_COPY,
+    DCP,
+    MEMCPY,
+    checks,
+    floor_seconds,
+    per_byte,
+    per_tensor_ms,
+    ratio,
+    written_share,
+)
 
 SAVES = [d1.SAVE, d2.SAVE_SHARDED, d2.SAVE_COLUMNS, d2.SAVE_REPLICATED]
 LOADS = [d1.COLD, d2.COLD_SAME, d2.LOAD_REPLICATED, d2.RESHARDED, d2.TO_ONE, d2.ROWS_FROM_COLUMNS, d1.WARM,
@@ -32,6 +43,7 @@ def blocks(record: Record, run: dict[str, Any]) -> dict[str, tuple[str, list[str
         "load": ("Loading", lambda: _cases(record, LOADS)),
         "async": ("Async save", lambda: _cases(record, ASYNC) + _memory(record)),
         "fsdp1": ("FSDP1 save", lambda: _cases(record, FSDP1) + _fsdp1_figures(record)),
+        "tensors": ("Where the tensors are held", lambda: _tensor_path(record)),
         "overhead": ("Per-tensor overhead and phases", lambda: _per_tensor(record) + _phases(record)),
         "planning": ("Planning at scale", lambda: _planning_scale(run.get("planning_scale"))),
         "reading": ("Reading a missed target", _reading),
@@ -55,8 +67,8 @@ def summary(record: Record, run: dict[str, Any]) -> str:
 
 
 def _targets(record: Record, run: dict[str, Any]) -> list[str]:
-    lines = [("Ratios to what was measured in the same run. `x` = times as fast (bandwidth ratio); `%` and "
-              "`ms` = as stated."), "",
+    lines = [("Ratios to what was measured in the same run. `x` = times as fast (bandwidth ratio), except in the "
+              "rows of seconds per byte and of bytes written (lower is better); `%` and `ms` = as stated."), "",
              "| target | where | measured | goal | verdict |", "| --- | --- | --- | --- | --- |"]
     for c in checks(record, run.get("planning_scale")):
         measured = "not measured" if c.measured is None else f"{c.measured:.3g}{c.unit}"
@@ -119,6 +131,50 @@ def _case_table(record: Record, case: str) -> list[str]:
         bandwidth = f"{nbytes / t / 1e9:.2f}" if nbytes else "-"
         lines.append(f"| {method} | {t:.4g} | {bandwidth} | {_x(ratio(reference, t))} | {_x(ratio(dcp, t))} | "
                      f"[{min(values):.3g}, {max(values):.3g}] |")
+    return lines + [""]
+
+
+def _tensor_path(record: Record) -> list[str]:
+    cases = [case for case in tp.CASES if case in record.samples]
+    if not cases:
+        return []
+    lines = [(f"The same tensors held as {tp.MODULE} (`{{\"model\": m, \"optimizer\": opt}}`, AdamW after one step), "
+              f"as {tp.DICT} and as {tp.TOP} (`dict(tensors)` as the state) on 1 process; on 2 processes "
+              f"(gloo, DDP-replicated) as {tp.MODULE} and as {tp.EMA} (`{{\"model\": ddp, \"ema\": dict}}`, "
+              "an EMA of the parameters). DCP and torch.save save the same tensors as one flat dict (on 2 "
+              "processes those of (d); torch.save by rank 0). Every load fills live tensors of their own "
+              "storage. `per byte vs (a)` = this method's seconds per byte / those of (a) in the same case "
+              "(a time ratio: 1.00x = as fast per byte as the module and optimizer)."), ""]
+    for case in cases:
+        sizes = record.figures.get(tp.BYTES + case, {})
+        dcp = record.median(case, DCP)
+        lines += [f"### {case}", "",
+                  "| method | MB per process | median s | GB/s | per byte vs (a) | vs DCP | spread s |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for method, values in record.samples[case].items():
+            t = statistics.median(values)
+            nbytes = sizes.get(method, record.nbytes.get(case))
+            mb = f"{nbytes / 1e6:.0f}" if nbytes else "-"
+            bandwidth = f"{nbytes / t / 1e9:.2f}" if nbytes else "-"
+            lines.append(f"| {method} | {mb} | {t:.4g} | {bandwidth} | {_x(per_byte(record, case, method))} | "
+                         f"{_x(ratio(dcp, t))} | [{min(values):.3g}, {max(values):.3g}] |")
+        lines.append("")
+    return lines + _written(record)
+
+
+def _written(record: Record) -> list[str]:
+    written = record.figures.get(tp.WRITTEN)
+    if not written:
+        return []
+    ranks = sorted({rank for by_rank in written.values() for rank in by_rank}, key=int)
+    lines = [f"### {tp.WRITTEN}", "",
+             "Data files only (bcp's `data/`, DCP's `.distcp`, torch.save's file); `vs the state` = all ranks' "
+             "data bytes / the bytes of the state one process holds (1.00x: every byte written once).", "",
+             "| method | " + " | ".join(f"rank {r} MB" for r in ranks) + " | vs the state |",
+             "| --- | " + " | ".join("---" for _ in ranks) + " | --- |"]
+    for method, by_rank in written.items():
+        lines.append(f"| {method} | " + " | ".join(f"{by_rank.get(r, 0) / 1e6:.1f}" for r in ranks)
+                     + f" | {_x(written_share(record, method))} |")
     return lines + [""]
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from bcpbench import distributed as d2
 from bcpbench import single as d1
+from bcpbench import tensor_path as tp
 from bcpbench.methods import FIRST_SAVE
 from bcpbench.record import Record
 
@@ -48,6 +49,23 @@ def per_tensor_ms(record: Record, case: str, method: str) -> float | None:
     many, one = record.median(f"{case}, many", method), record.median(f"{case}, one", method)
     count = record.figures.get("per-tensor workload", {}).get("tensors")
     return (many - one) / count * 1e3 if many is not None and one is not None and count else None
+
+
+def per_byte(record: Record, case: str, method: str, reference: str = tp.MODULE) -> float | None:
+    """Seconds per byte of ``method`` in ``case`` over those of ``reference`` (a time ratio)."""
+    sizes = record.figures.get(tp.BYTES + case, {})
+    seconds, reference_seconds = record.median(case, method), record.median(case, reference)
+    if seconds is None or reference_seconds is None or method not in sizes or reference not in sizes:
+        return None
+    return ratio(seconds / sizes[method], reference_seconds / sizes[reference])
+
+
+def written_share(record: Record, method: str) -> float | None:
+    """Data bytes ``method`` wrote on all ranks of the 2-process save over the bytes of the state
+    one process holds: 1.0 when each byte is written once."""
+    written = record.figures.get(tp.WRITTEN, {}).get(method)
+    state = record.figures.get(tp.BYTES + tp.SAVE_2P, {}).get(method)
+    return ratio(sum(written.values()), state) if written and state else None
 
 
 def plan_share(record: Record, label: str) -> float | None:
@@ -96,4 +114,10 @@ def checks(record: Record, scale: dict | None = None) -> list[Check]:
     share = ratio(record.median(d1.ASYNC_BLOCK, "bcp async_save"), record.median(d1.SAVE, DCP))
     out.append(Check("async blocking vs a DCP sync save", d1.ASYNC_BLOCK + " / " + d1.SAVE,
                      None if share is None else share * 100, 10.0, False, "%"))
+    for case, method in ((tp.SAVE_1P, tp.DICT), (tp.SAVE_1P, tp.TOP), (tp.COLD_1P, tp.DICT), (tp.COLD_1P, tp.TOP),
+                         (tp.SAVE_2P, tp.EMA), (tp.COLD_2P, tp.EMA)):
+        out.append(Check(f"seconds per byte vs {tp.MODULE}", f"{case}: {method}", per_byte(record, case, method),
+                         1.1, False))
+    out.append(Check("data bytes written vs the state's (each byte once)", f"{tp.SAVE_2P}: {tp.EMA}",
+                     written_share(record, tp.EMA), 1.01, False))
     return out
