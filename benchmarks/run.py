@@ -34,7 +34,7 @@ from bcpbench.state import gpt_shapes, shapes_nbytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILES = {
-    "quick": {"size_mb": 256, "reps": 5, "small_tensors": 1000, "tensor_path_mb": 256, "timeout_s": 1800},
+    "quick": {"size_mb": 256, "reps": 5, "small_tensors": 1000, "tensor_path_mb": 512, "timeout_s": 1800},
     "full": {"size_mb": 2048, "reps": 5, "small_tensors": 2000, "tensor_path_mb": 1024, "timeout_s": 7200},
 }
 GROUPS = ("single", "distributed", "memory", "tensors", "planning")

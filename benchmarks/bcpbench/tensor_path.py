@@ -124,21 +124,32 @@ class Layout:
         self.name, self.source, self.dest, self.flatten = name, source, dest, flatten
         self.coordinator, self.io_threads = coordinator, io_threads
         self.last_save: bcp.PhaseStats | None = None
+        self.load_phases: list[dict[str, float]] = []  # of every load, the warm-up round's first
 
     def save(self, path: str) -> None:
         self.last_save = bcp.save(path, self.source, coordinator=self.coordinator, io_threads=self.io_threads).stats
 
     def load(self, path: str) -> Live:
-        bcp.load(path, self.dest, coordinator=self.coordinator, io_threads=self.io_threads)
+        stats = bcp.load(path, self.dest, coordinator=self.coordinator, io_threads=self.io_threads).stats
+        self.load_phases.append(stats.seconds)
         return Live(self.dest, self.flatten)
+
+    def label(self) -> str:
+        """How the per-phase figures name this layout: ``tensor path 1p (b)``."""
+        return f"tensor path {dist.get_world_size() if dist.is_initialized() else 1}p {self.name[:3]}"
+
+    def keep_load_phases(self, record: Record, group: Group) -> None:
+        """The timed loads' per-phase seconds (the warm-up round's load left out)."""
+        if group.is_root and len(self.load_phases) > 1:
+            record.figures[f"bcp load phases, {self.label()} (cold)"] = self.load_phases[1:]
 
     def reset(self) -> None:
         for tensor in self.flatten(self.dest).values():
             tensor.zero_()
 
-    def entry(self, record: Record, cold: str, group: Group, label: str, count_written: bool = False) -> Entry:
+    def entry(self, record: Record, cold: str, group: Group, count_written: bool = False) -> Entry:
         save, after_save = _remembering(record, self.name, self.save, group, count_written,
-                                        keep_phases(record, f"tensor path {label}", self, group))
+                                        keep_phases(record, self.label(), self, group))
         return Entry(self.name, save, [Load(cold, self.load, expected=self.flatten(self.source), reset=self.reset)],
                      after_save=after_save)
 
@@ -166,12 +177,14 @@ def one_process(config: dict[str, Any]) -> dict:
     ]
     raw, flat = RawFiles(io), torch.zeros(nbytes(source) // 4 + 1)
     entries = [Entry(raw.name, lambda p: raw.save(p, source), [Load(COLD_1P, lambda p: raw.read(p, flat))])]
-    entries += [layout.entry(record, COLD_1P, ONE, f"1p {layout.name[:3]}") for layout in layouts]
+    entries += [layout.entry(record, COLD_1P, ONE) for layout in layouts]
     entries += _anchor_entries(record, COLD_1P, source, dest, [(DCP, Dcp()), (TorchSave.name, TorchSave())], ONE)
     for case in (SAVE_1P, COLD_1P):
         record.nbytes[case] = nbytes(source)
         record.figures[BYTES + case] = {entry.name: nbytes(source) for entry in entries}
     run_rounds(record, entries, SAVE_1P, config["workdir"], config["reps"], ONE)
+    for layout in layouts:
+        layout.keep_load_phases(record, ONE)
     return record.to_dict()
 
 
@@ -200,8 +213,7 @@ def two_processes(config: dict[str, Any]) -> dict:
         Layout(EMA, {"model": model, "ema": ema}, {"model": dest_model, "ema": dest_ema}, model_and_ema,
                Channel(channel="bench tensor path d"), io),
     ]
-    entries = [layout.entry(record, COLD_2P, group, f"2p {layout.name[:3]}", count_written=True)
-               for layout in layouts]
+    entries = [layout.entry(record, COLD_2P, group, count_written=True) for layout in layouts]
     # The anchors save what (d) holds: the module's state dict and the EMA, as one flat dict.
     source = model_and_ema(layouts[1].source)
     dest = zeroed(source)
@@ -214,6 +226,8 @@ def two_processes(config: dict[str, Any]) -> dict:
         record.nbytes[case] = sizes[MODULE]
         record.figures[BYTES + case] = sizes
     run_rounds(record, entries, SAVE_2P, config["workdir"], config["reps"], group)
+    for layout in layouts:
+        layout.keep_load_phases(record, group)
     return record.to_dict()
 
 

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from bcpbench import distributed as d2  # noqa: E402
 from bcpbench import fsdp1  # noqa: E402
 from bcpbench import single as d1  # noqa: E402
+from bcpbench import tensor_path  # noqa: E402
 from bcpbench.publish import PublishError, begin_marker, end_marker, marked_names  # noqa: E402
 from bcpbench.record import Record  # noqa: E402
 from bcpbench.report import blocks  # noqa: E402
@@ -28,7 +29,7 @@ PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 
 def a_run(profile: str = "full", cases: tuple[str, ...] | None = None) -> dict:
     """A small run of every path (or only ``cases``) with recognisable figures."""
-    cases = cases or (d1.SAVE, d1.COLD, d1.ASYNC_BLOCK, fsdp1.BLOCKING, d2.RESHARDED)
+    cases = cases or (d1.SAVE, d1.COLD, d1.ASYNC_BLOCK, fsdp1.BLOCKING, d2.RESHARDED, tensor_path.SAVE_1P)
     methods = {"bcp": [1.25], "DCP": [2.5], "raw write/read, 4 threads": [1.0]}
     samples = {case: dict(methods) for case in cases}
     run = {"profile": profile, "command": f"benchmarks/run.py --{profile}", "commit": "abc1234",
