@@ -5,9 +5,11 @@ safetensors and the disk's own floors, on one state, in one run; prints the targ
     .venv/bin/python benchmarks/run.py --full     # ~2 GB state, the reference figures (make bench-full)
     .venv/bin/python benchmarks/run.py --size-mb 64 --reps 5 --only single
     .venv/bin/python benchmarks/run.py --full --only distributed --cases "2 -> 1 case"
+    .venv/bin/python benchmarks/run.py --only tensors     # the tensor path alone (512 MB; 1 GB with --full)
 
-Each group of cases runs in fresh processes (1 process; 2 gloo processes; 1 process for memory),
-then ``planning_scale.py`` runs once. The report and the raw results go to
+Each group of cases runs in fresh processes (1 process; 2 gloo processes; 1 process for memory;
+the tensor path's 1 and 2 gloo processes), then ``planning_scale.py`` runs once. ``--size-mb``
+sets the tensor path's size too. The report and the raw results go to
 ``benchmarks/results/<date>-<time>-<profile>.md`` and ``.json``, which git ignores; the tracked
 ``docs/benchmarks.md`` changes only through ``benchmarks/publish.py`` (``make bench-docs``).
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import os
 import pstats
 import statistics
@@ -52,28 +53,42 @@ def main() -> None:
     args = parser.parse_args()
     source, dest = states(args.layout, int(args.size_mb * (1 << 20)))
     workdir = tempfile.mkdtemp(prefix="bcp-profile-", dir=args.workdir)
-    path = os.path.join(workdir, "ckpt")
-    save = lambda: bcp.save(path, source, io_threads=args.io_threads).stats  # noqa: E731
-    load = lambda: bcp.load(path, dest, io_threads=args.io_threads).stats  # noqa: E731
+    paths = (os.path.join(workdir, f"ckpt-{i}") for i in itertools.count())
+    saved: list[str] = []
+
+    def save() -> bcp.PhaseStats:
+        saved.append(next(paths))
+        return bcp.save(saved[-1], source, io_threads=args.io_threads).stats
+
+    def drop_older() -> None:
+        """Each save gets a checkpoint of its own, as in the side-by-side rounds (no older
+        generation for it to retire); the one before is removed, untimed."""
+        while saved:
+            remove(saved.pop())
+
     print(f"layout {args.layout}: {nbytes(_flat(source)) / 1e6:.0f} MB, bcp {bcp.__file__}")
     try:
         save()  # the first save plans; the timed ones reuse the cached plan, as training's do
-        for what, call, cold in (("save", save, False), ("cold load", load, True)):
-            seconds, phases = [], []
-            for _ in range(args.reps):
-                if cold:
-                    evict(workdir)
-                start = time.perf_counter()
-                phases.append(call().seconds)
-                seconds.append(time.perf_counter() - start)
-            print(f"\n{what}: median {statistics.median(seconds):.3f} s [{min(seconds):.3f}, {max(seconds):.3f}]; "
-                  "phases (medians): " + ", ".join(f"{p} {statistics.median(s[p] for s in phases):.3f}"
-                                                   for p in phases[0]))
-            if cold:
-                evict(workdir)
-            print(_profiled(call, args.top))
+        _measure("save", save, drop_older, args)
+        _measure("cold load", lambda: bcp.load(saved[-1], dest, io_threads=args.io_threads).stats,
+                 lambda: evict(workdir), args)
     finally:
         remove(workdir)
+
+
+def _measure(what: str, call: Callable[[], bcp.PhaseStats], before: Callable[[], None],
+             args: argparse.Namespace) -> None:
+    """``args.reps`` timed calls (``before`` each, untimed), then one under cProfile."""
+    seconds, phases = [], []
+    for _ in range(args.reps):
+        before()
+        start = time.perf_counter()
+        phases.append(call().seconds)
+        seconds.append(time.perf_counter() - start)
+    print(f"\n{what}: median {statistics.median(seconds):.3f} s [{min(seconds):.3f}, {max(seconds):.3f}]; "
+          "phases (medians): " + ", ".join(f"{p} {statistics.median(s[p] for s in phases):.3f}" for p in phases[0]))
+    before()
+    print(_profiled(call, args.top))
 
 
 def _flat(state: dict[str, Any]) -> dict[str, Any]:

@@ -220,8 +220,7 @@ def two_processes(config: dict[str, Any]) -> dict:
     rank0 = _RankZero(TorchSave(), group)
     entries += _anchor_entries(record, COLD_2P, source, dest, [(DCP, Dcp()), (TORCH_SAVE_RANK0, rank0)], group,
                                count_written=True)
-    sizes = {MODULE: nbytes(layouts[0].flatten(layouts[0].source))} | {
-        entry.name: nbytes(source) for entry in entries[1:]}
+    sizes = {entry.name: nbytes(source) for entry in entries} | {MODULE: nbytes(layouts[0].flatten(layouts[0].source))}
     for case in (SAVE_2P, COLD_2P):
         record.nbytes[case] = sizes[MODULE]
         record.figures[BYTES + case] = sizes
