@@ -376,7 +376,81 @@ def optimizer_semantics(strategy: str, dirpath: str, case_ids: list[str], steps:
                                                    dirpath, case_ids, steps)
 
 
-CASES = {"fit": fit, "expect_error": expect_error, "count_collectives": count_collectives,
+class EpochIds(L.LightningModule):
+    """Records, per epoch, the sample ids of every batch it trains on; its train loader is a
+    StatefulDataLoader with 2 read workers over ids 0..95 (``shuffle``: the loader's own), with the
+    DistributedSampler Lightning puts in (``sampler="lightning"``) or bcp's (``"bcp"``)."""
+
+    def __init__(self, shuffle: bool, sampler: str) -> None:
+        super().__init__()
+        self.shuffle, self.sampler = shuffle, sampler
+        self.layer = nn.Linear(1, 1)
+        self.seen: dict[int, list[int]] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen.setdefault(self.current_epoch, []).extend(batch[0].tolist())
+        return self.layer(batch[0].float().unsqueeze(1)).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> Any:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        ids = torch.utils.data.TensorDataset(torch.arange(96))
+        if self.sampler == "lightning":
+            return StatefulDataLoader(ids, batch_size=4, shuffle=self.shuffle, num_workers=2)
+        sampler = bcp.ResumableDistributedSampler(96, dp_rank=self.trainer.global_rank,
+                                                  dp_size=self.trainer.world_size, shuffle=self.shuffle, seed=5)
+        return StatefulDataLoader(ids, batch_size=4, sampler=sampler, num_workers=2)
+
+
+class SaveAtSteps(Callback):
+    """``Trainer.save_checkpoint(<dirpath>/step=<n>.ckpt)`` after the optimizer steps in ``steps``."""
+
+    def __init__(self, dirpath: str, steps: list[int]) -> None:
+        self.dirpath, self.steps = dirpath, set(steps)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step in self.steps:
+            trainer.save_checkpoint(os.path.join(self.dirpath, f"step={trainer.global_step}.ckpt"))
+
+
+LOADER_TRAINERS = {
+    "ddp": lambda: {"strategy": DDPStrategy(), "plugins": [BCPCheckpointIO()]},
+    "bcp_ddp": lambda: {"strategy": BCPDDPStrategy()},
+    "single": lambda: {"strategy": "auto", "plugins": [BCPCheckpointIO()]},
+}
+
+
+def fit_epochs(dirpath: str, trainer: str, shuffle: bool, sampler: str = "lightning", epochs: int = 1,
+               save_at: tuple[int, ...] = (), resume_from: str | None = None, max_steps: int = -1,
+               seed: str = "alike") -> dict[int, list[int]]:
+    """A fit of :class:`EpochIds` (``trainer``: Lightning's DDPStrategy with BCPCheckpointIO, BCPDDPStrategy,
+    or a single-device Trainer with BCPCheckpointIO), saving after the steps ``save_at``; per epoch,
+    the ids this rank trained on. ``seed``: every rank's global RNG seeded alike (a shuffled loader's
+    sampler seeds its generator from it), or ``"per_rank"``."""
+    L.seed_everything(int(os.environ["LOCAL_RANK"]) if seed == "per_rank" else 0, verbose=False)
+    run = L.Trainer(accelerator="cpu", devices=WORLD_SIZE, max_epochs=epochs, max_steps=max_steps, logger=False,
+                    enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                    use_distributed_sampler=sampler == "lightning", callbacks=[SaveAtSteps(dirpath, list(save_at))],
+                    **LOADER_TRAINERS[trainer]())
+    module = EpochIds(shuffle, sampler)
+    run.fit(module, ckpt_path=resume_from)
+    return module.seen
+
+
+def fit_epochs_error(**args: Any) -> str:
+    """The message of the error :func:`fit_epochs` raises."""
+    try:
+        fit_epochs(**args)
+    except Exception as exc:  # the test asserts on the message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+CASES = {"fit": fit, "fit_epochs": fit_epochs, "fit_epochs_error": fit_epochs_error, "expect_error": expect_error,
+         "count_collectives": count_collectives,
          "pickle_model": pickle_model, "fit_ids": fit_ids, "fit_ids_error": fit_ids_error, "fit_tier": fit_tier,
          "tier_error": tier_error, "optimizer_semantics": optimizer_semantics}
 

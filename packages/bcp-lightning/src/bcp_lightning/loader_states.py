@@ -1,109 +1,178 @@
-"""The fit loop's dataloader states as bcp's ``dataloader`` component.
+"""The fit loop's dataloader states as bcp's ``dataloader`` component, resumed on any number of ranks.
 
 Lightning's fit loop puts the ``state_dict()`` of every stateful train dataloader (a torchdata
 ``StatefulDataLoader``, or any loader with ``state_dict``/``load_state_dict``) into its checkpoint
-at ``loops.fit_loop.state_dict.combined_loader``, and gives them back to the loaders when a fit
+at ``loops.fit_loop.state_dict.combined_loader`` and gives them back to the loaders when a fit
 resumes. bcp_lightning takes that list out of Lightning's other entries and saves it through
-``bcp.DataloaderState``, each saving rank as its own DP index, since the loop's state is per rank
-(every rank under bcp_lightning's strategies, also under tensor parallelism; rank 0 alone through
-the plugin, whose part every rank then reads, as Lightning does). Resuming on the same DP size
-gives each rank its own loaders' states; on another, each loader's state is resharded where its
-ranks walk shards of one global order (torch's ``DistributedSampler``, which Lightning puts in under
-DDP, or bcp's sampler) and the consumed batches divide among the new ranks, and refused otherwise.
+``bcp.DataloaderState``, each rank's beside that rank's *positions* (``bcp.integration``'s loader
+positions: which order the epoch walks, which class of it the rank walks, how far the trainer got).
 
-A shuffled train loader (``StatefulDataLoader(shuffle=True)``: Lightning wraps its ``RandomSampler``
-in a ``DistributedSamplerWrapper`` under DDP) draws each epoch's permutation from the sampler's
-generator, which moves on, and nothing of it is in the loader's state: a resume would walk another
-permutation. From the plugin's construction on (:func:`install`), the fit loop's train loaders'
-samplers are followed as Lightning sets them up; a save keeps, beside each loader's state, the
-generator state its epoch was drawn from (read off the live loaders of the fit that saves), and a
-resume replays it in the loaders of the next fit's data setup (``bcp.integration.replay_order``).
-A save of a shuffled loader whose draw was not seen is refused.
+- Every rank's states and positions are saved: under bcp_lightning's strategies each rank saves its
+  own part; through the plugin under Lightning's own strategies, whose checkpoint call happens on
+  rank 0 alone, a callback gathers them from every rank while Lightning builds the checkpoint (on
+  every rank) and rank 0 saves them all.
+- On the same number of ranks each loader gets its own state back, and its sampler is set to the
+  saved epoch and draw before the loop iterates it (Lightning's loop sets the epoch only after its
+  first iteration of a resumed fit).
+- On another number of ranks, or where the sampler now walks another order (a single device after
+  DDP), the samples not yet consumed are dealt to the new ranks (``bcp.integration.plan_resume``):
+  each loader delivers its share for the rest of the epoch (then its own order again) and the loop's
+  count of the epoch's batches done is moved so that the epoch ends with the share.
+
+A shuffled loader's order is drawn from its sampler's generator, which moves on: the samplers of the
+train loaders are followed from the moment Lightning sets them up (``on_train_loader``), so a save
+knows the state the epoch's permutation was drawn from.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
+import io
 import weakref
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
+from torch.utils.data import DistributedSampler
 
 import bcp
-from bcp.integration import batches_yielded, draws_its_order, drawn_from, follow_order, replay_order, reshard_states
 from bcp.integration import DATALOADER_COMPONENT as COMPONENT
-from bcp.integration import default_coordinator
+from bcp.integration import (batches_yielded, default_coordinator, deliver_resume, distributed_order, draws_its_order,
+                             follow_order, loader_position, loaders_own_batch_sampler, natural_walk, order_of_sampler,
+                             plan_resume, replay_order, restore_generator, resumed_epoch_of, unwrap_resumed)
+from bcp_lightning import lightning_patch
 
 _PATH = ("loops", "fit_loop", "state_dict")
 _KEY = "combined_loader"
-_BATCH_PROGRESS = "epoch_loop.batch_progress"
+#: Where the callback puts every rank's loader states and positions in rank 0's checkpoint dict.
+GATHERED = "bcp_dataloader_ranks"
 
 
 class FitLoopLoaders:
-    """The fit loop's list of loader states (one per train dataloader), as bcp saves and restores it.
+    """The fit loop's loader states of the saving ranks (a :class:`bcp.ShardedDataloader`). Each part
+    holds, per train loader, a rank's state and position; ``world`` is the number of training ranks.
+    After a load, :attr:`resumes` says how each of this rank's loaders continues."""
 
-    ``rank`` and ``world`` are the training process's place among the DP ranks whose loaders the
-    saved states stand for: every rank saves its own under bcp_lightning's strategies; through the
-    plugin rank 0's states stand for all ``world`` ranks (Lightning's own assumption: DDP ranks step
-    in lockstep). On another number of ranks each loader's state is resharded from all the saved
-    ranks' (:func:`bcp.integration.reshard_states`)."""
-
-    def __init__(self, states: list[Any] | None = None, draws: list[torch.Tensor | None] | None = None) -> None:
-        self.states = states
-        #: Per loader, the generator state its epoch's order was drawn from (None: not drawn from one).
-        self.draws = draws
-        self.rank, self.world = _ranks()
-        #: How many more batches of the epoch this rank has after a reshard than the saved ranks had.
-        self.batches_moved = 0
+    def __init__(self, ranks: list[dict[str, Any]] | None = None, world: int = 1, gathered: bool = False) -> None:
+        self.ranks, self.world, self.gathered = ranks, world, gathered
+        self.rank, self.live_world = _ranks()
+        self.resumes: list[LoaderResume] = []
 
     def replicated_state(self) -> None:
         return None
 
     def sharded_states(self) -> list[dict[str, Any]]:
-        part = {"loaders": self.states, "world": self.world}
-        if self.draws is not None and any(draw is not None for draw in self.draws):
-            part["drawn_from"] = self.draws
+        mine = self.ranks[self.rank if len(self.ranks) > 1 else 0]
+        part = {"loaders": mine["loaders"], "positions": mine["positions"], "world": self.world}
+        if self.gathered:
+            part["ranks"] = self.ranks
         return [part]
 
     @staticmethod
     def assign_parts(saved: list[bcp.PartKey], dp_size: int) -> list[list[bcp.PartKey]]:
-        """Every rank reads every saved rank's states: a DP change needs them all (they are small)."""
+        """Every rank reads every saved rank's part: a change of their number needs them all (they are small)."""
         return [list(saved) for _ in range(dp_size)]
 
     def load_dataloader_state(self, replicated: Any, sharded: list[Any]) -> None:
-        per_rank = [part["loaders"] for part in sharded]  # in DP order
-        draws = [part.get("drawn_from") for part in sharded]
-        if len(per_rank) == 1:
-            per_rank, draws = per_rank * int(sharded[0].get("world", 1)), draws * int(sharded[0].get("world", 1))
-        if len(per_rank) == self.world:
-            self.states, self.draws = per_rank[self.rank], draws[self.rank]
-            return
-        self.draws = _shared_draws(draws)
-        self.states = [reshard_states([states[i] for states in per_rank], self.rank, self.world)
-                       for i in range(len(per_rank[0]))]
-        if self.states:
-            self.batches_moved = batches_yielded(self.states[0]) - batches_yielded(per_rank[0][0])
-
+        if len(sharded) == 1 and "ranks" in sharded[0]:
+            entries, world = sharded[0]["ranks"], int(sharded[0]["world"])
+        else:
+            entries, world = sharded, int(sharded[0].get("world", len(sharded))) if len(sharded) == 1 else len(sharded)
+        self.ranks, self.world = entries, world
+        self.resumes = [self._resume(i) for i in range(len(entries[0]["loaders"]))]
+        if self.resumes:
+            self.resumes[0].counts_batches = True
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The states from a checkpoint that saved them as one ``state_dict`` per rank."""
-        self.states = state["loaders"]
+        self.ranks, self.world = [{"loaders": state["loaders"]}], self.live_world
+        self.resumes = [LoaderResume(state=s) for s in state["loaders"]]
+
+    def _resume(self, index: int) -> "LoaderResume":
+        complete = len(self.ranks) == self.world
+        positions = [entry.get("positions", [None] * (index + 1))[index] for entry in self.ranks]
+        if self.world == self.live_world:
+            entry_index = self.rank if complete else 0
+            own = positions[entry_index] or _drawn_before_positions(self.ranks[entry_index], index)
+            if own is None or not own.get("resumed", False):
+                # an epoch saved at its last batch restarts fresh: its state would end the next epoch at once
+                fresh = own is not None and own["finished"]
+                return LoaderResume(state={} if fresh else self.ranks[entry_index]["loaders"][index], position=own)
+        if not complete:
+            raise bcp.MismatchError(
+                f"train dataloader {index}: the checkpoint holds the loader position of rank 0 alone of the "
+                f"{self.world} ranks that saved it (saved through BCPCheckpointIO under Lightning's own strategy by a "
+                f"bcp_lightning that did not gather them), so it resumes only on {self.world} ranks", key=COMPONENT)
+        if any(p is None for p in positions):
+            raise bcp.MismatchError(
+                f"train dataloader {index} was saved on {self.world} ranks and is resumed on {self.live_world}: its "
+                "state is a position within each rank's own order that bcp cannot follow (an iterable dataset, or a "
+                "sampler other than torch's DistributedSampler, a sequential or random sampler, or bcp's), so the "
+                "rest of its epoch cannot be dealt to another number of ranks", key=COMPONENT)
+        return LoaderResume(state={}, positions=positions)
 
 
-def _shared_draws(draws: list[list[torch.Tensor | None] | None]) -> list[torch.Tensor | None] | None:
-    """The draws every saved rank made, for ranks of another number: each loader's must be the same on
-    every saved rank (Lightning's ranks each draw the permutation their shards are cut from)."""
-    first = draws[0]
-    for other in draws[1:]:
-        same = (other is None) == (first is None) and (first is None or all(
-            (a is None) == (b is None) and (a is None or torch.equal(a, b)) for a, b in zip(first, other)))
-        if not same:
-            raise bcp.MismatchError("the saved ranks drew their train loaders' epoch orders from different generator "
-                                    "states, so there is no one global order to continue on another number of ranks",
-                                    key=COMPONENT)
-    return first
+@dataclass
+class LoaderResume:
+    """How one train loader of this rank continues: ``state`` is what the loop gives the loader;
+    ``position`` (its own state's) or ``positions`` (every saved rank's: the rest of the epoch is dealt
+    again) say how its sampler is set before the loop iterates it."""
+
+    state: dict[str, Any]
+    position: dict[str, Any] | None = None
+    positions: list[dict[str, Any]] | None = None
+    #: Whether this loader's share moves the loop's count of batches done (the first loader's does).
+    counts_batches: bool = False
+
+    def apply(self, trainer: Any, loader: Any) -> None:
+        walking, drawing = walking_sampler(loader), drawing_sampler(loader)
+        if self.positions is None:
+            if self.position is not None:
+                _set_epoch(walking, self.position, finished=self.position["finished"])
+                if self.position["finished"]:
+                    restore_generator(drawing, self.position["generator"])
+                else:
+                    _replay(drawing, self.position)
+            return
+        batch_size, drop_last = _batching(loader)
+        if batch_size is None:
+            raise bcp.MismatchError("a train dataloader with a custom batch sampler: bcp cannot deal it the rest of a "
+                                    "saved epoch; batch it with batch_size=", key=COMPONENT)
+        rank, world = _ranks()
+        resume = plan_resume(self.positions, world, rank, batch_size=batch_size, batch_drop_last=drop_last,
+                             drop=drop_last or getattr(walking, "drop_last", False))
+        _set_epoch(walking, self.positions[0], finished=resume.finished)
+        deliver_resume(loader, resume, drawing, record=self.positions[0])
+        if self.counts_batches:
+            done = lightning_patch.batches_done(trainer)
+            lightning_patch.move_batches_done(trainer, len(loader) - resume.batches - done)
+
+
+def _drawn_before_positions(entry: dict[str, Any], index: int) -> dict[str, Any] | None:
+    """A position for a loader state saved with the generator state its order was drawn from alone
+    (``drawn_from``, as bcp_lightning saved shuffled loaders before positions)."""
+    draw = (entry.get("drawn_from") or [None] * (index + 1))[index]
+    if draw is None:
+        return None
+    return {"order": {"kind": "drawn", "generator": draw.numpy().tobytes()}, "finished": False, "epoch": None}
+
+
+def _set_epoch(sampler: Any, position: dict[str, Any], *, finished: bool) -> None:
+    """The saved epoch (the next one where it was over), before the loop's first iteration."""
+    if position.get("epoch") is not None and isinstance(sampler, DistributedSampler):
+        sampler.set_epoch(int(position["epoch"]) + int(finished))
+
+
+def _replay(drawing: Any, position: dict[str, Any]) -> None:
+    order = position["order"]
+    while order is not None and order["kind"] == "through":
+        order = order["inner"]
+    if order is not None and order["kind"] == "drawn":
+        if drawing is None:
+            raise bcp.MismatchError("a train dataloader was saved with an order drawn from a generator (shuffle=True) "
+                                    "and the live one draws none", key=COMPONENT)
+        replay_order(drawing, torch.frombuffer(bytearray(order["generator"]), dtype=torch.uint8))
 
 
 def _ranks() -> tuple[int, int]:
@@ -113,21 +182,28 @@ def _ranks() -> tuple[int, int]:
     return 0, 1
 
 
+# Saving: Lightning's dict -> the component.
+
 def take_out(rest: Mapping[str, Any], coordinator: bcp.Coordinator) -> tuple[dict[str, Any], dict[str, Any]]:
     """Lightning's other entries without the loader states (copied along the path, the caller's dict
     is left as it is), and the components to save: a ``dataloader`` entry where there are states."""
     loop = _loop_state(rest)
+    outer = {k: v for k, v in rest.items() if k != GATHERED}
     if loop is None or not loop.get(_KEY):
-        return dict(rest), {}
+        return outer, {}
     states = loop[_KEY]
-    outer = dict(rest)
     level = outer
     for key in _PATH:
         level[key] = dict(level[key])
         level = level[key]
     del level[_KEY]
-    return outer, {COMPONENT: bcp.DataloaderState(FitLoopLoaders(states, _epoch_draws(states)),
-                                                   dp_rank=coordinator.rank, dp_size=coordinator.world_size)}
+    rank, world = _ranks()
+    gathered = rest.get(GATHERED)
+    if gathered is not None:
+        loaders = FitLoopLoaders(gathered, world, gathered=True)
+    else:
+        loaders = FitLoopLoaders([{"loaders": states, "positions": positions(states)}], world)
+    return outer, {COMPONENT: bcp.DataloaderState(loaders, dp_rank=coordinator.rank, dp_size=coordinator.world_size)}
 
 
 def template(saved: bool, coordinator: bcp.Coordinator) -> dict[str, Any]:
@@ -139,19 +215,16 @@ def template(saved: bool, coordinator: bcp.Coordinator) -> dict[str, Any]:
 
 
 def put_back(rest: dict[str, Any], loaded: Mapping[str, Any]) -> None:
-    """Give the loaded loader states back to the fit loop's entry, where Lightning looks for them.
-    Resharded, the loop's count of batches done in the epoch moves with the loaders' (it ends the
-    epoch when that count reaches the new ranks' number of batches)."""
+    """Give the loader states back to the fit loop's entry, where Lightning looks for them, and keep
+    how each loader resumes for the fit that restores them (:func:`on_train_loader`)."""
     if COMPONENT not in loaded:
         return
     loaders = loaded[COMPONENT].loader
+    states = [resume.state for resume in loaders.resumes]
     loop = _loop_state(rest)
     if loop is not None:
-        loop[_KEY] = loaders.states
-    _FOLLOWED.states, _FOLLOWED.draws = loaders.states, list(loaders.draws or [])
-    progress = rest.get("loops", {}).get("fit_loop", {}).get(_BATCH_PROGRESS)
-    if loaders.batches_moved and progress:
-        progress["current"] = {name: count + loaders.batches_moved for name, count in progress["current"].items()}
+        loop[_KEY] = states
+    _PENDING.states, _PENDING.resumes = states, list(loaders.resumes)
 
 
 def _loop_state(rest: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -161,58 +234,131 @@ def _loop_state(rest: Mapping[str, Any]) -> dict[str, Any] | None:
     return level if isinstance(level, dict) else None
 
 
-# Following the train loaders' samplers.
+def positions(states: list[Any]) -> list[dict[str, Any] | None]:
+    """Per saved loader state, this rank's position in its epoch, read off the live train loaders of the
+    fit that saves (None where bcp cannot follow its order, or no fit set loaders up here)."""
+    trainer = _FOLLOWED.trainer() if _FOLLOWED.trainer is not None else None
+    live = [loader for loader in lightning_patch.train_loaders(trainer) or [] if _stateful(loader)]
+    if len(live) != len(states):
+        return [None] * len(states)
+    return [_position(index, loader, state) for index, (loader, state) in enumerate(zip(live, states))]
+
+
+def _position(index: int, loader: Any, state: Any) -> dict[str, Any] | None:
+    batch_size, drop_last = _batching(loader)
+    if batch_size is None:
+        return None  # a custom batch sampler: which samples its batches hold is its own
+    try:
+        consumed, finished = batches_yielded(state) * batch_size, bool(state["_iterator_finished"])
+    except (KeyError, TypeError):
+        return None  # not a StatefulDataLoader's state
+    walking, drawing = walking_sampler(loader), drawing_sampler(loader)
+    order = _order(walking)
+    if order is None and drawing is not None and resumed_epoch_of(loader) is None and consumed and not finished:
+        raise bcp.CheckpointError(
+            f"train dataloader {index}: its {type(drawing).__name__} drew this epoch's order from its generator "
+            "before bcp followed it, and the generator has moved on since, so a resume could not walk the same "
+            "order; construct BCPCheckpointIO (or a bcp_lightning strategy) before the fit sets up its data",
+            key=COMPONENT)
+    epoch = walking.epoch if isinstance(walking, DistributedSampler) else None
+    saved = loader_position(loader, order, natural_walk(walking), consumed=consumed, finished=finished, epoch=epoch,
+                            batch_size=batch_size, batch_drop_last=drop_last,
+                            drop=drop_last or getattr(walking, "drop_last", False),
+                            generator=getattr(drawing, "generator", None) if drawing is not None else None)
+    if saved is not None:
+        saved["resumed"] = resumed_epoch_of(loader) is not None
+    return saved
+
+
+def _order(sampler: Any) -> dict[str, Any] | None:
+    """The spec of the order the sampler walks this epoch, or None where bcp cannot rebuild it."""
+    inner = lightning_patch.wrapped_sampler(sampler)
+    if isinstance(sampler, DistributedSampler) and inner is not None:
+        inner_order = order_of_sampler(inner)
+        return None if inner_order is None else distributed_order(sampler, inner_order)
+    return order_of_sampler(sampler)
+
+
+# Following the train loaders as Lightning sets them up.
 
 class _Followed:
-    """The fit whose train loaders were set up last (their samplers followed), and the draws the
-    latest load left to replay: in the loaders of the fit that restores ``states`` (the list of
-    loader states the load gave back, which the fit loop keeps until it restores them)."""
+    """The fit whose train loaders were set up last, and how the loaders of the fit that restores
+    ``states`` (the list the latest load gave back) resume, in the order of their states."""
 
     trainer: "weakref.ref[Any] | None" = None
     states: list[Any] | None = None
-    draws: list[torch.Tensor | None] = []
+    resumes: list[LoaderResume] = []
 
 
-_FOLLOWED = _Followed()
-_FOLLOWS = "_bcp_follows_orders"
-_FIT_LOOP_MODULES = ("lightning.pytorch.loops.fit_loop", "pytorch_lightning.loops.fit_loop")
+_FOLLOWED = _PENDING = _Followed()
 
 
 def install() -> None:
-    """Follow the samplers of the train loaders every fit sets up from now on (idempotent): Lightning's
-    fit loop prepares each train loader with ``_process_dataloader``, before it restores their states
-    and iterates them."""
-    for name in _FIT_LOOP_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if not getattr(module._process_dataloader, _FOLLOWS, False):
-            module._process_dataloader = _following(module._process_dataloader)
+    """Follow the train loaders every fit under Lightning's own strategies sets up from now on."""
+    lightning_patch.install(on_train_loader)
 
 
-def _following(original: Any) -> Any:
-    @functools.wraps(original)
-    def process_dataloader(trainer: Any, trainer_fn: Any, stage: Any, dataloader: object) -> object:
-        loader = original(trainer, trainer_fn, stage, dataloader)
-        if _FOLLOWED.trainer is None or _FOLLOWED.trainer() is not trainer:
-            _FOLLOWED.trainer = weakref.ref(trainer)
-        sampler = drawing_sampler(loader)
-        if sampler is not None:
-            follow_order(sampler)
-            _check_ranks_draw_alike(sampler)
-        restoring = getattr(trainer.fit_loop, "_combined_loader_states_to_load", None)
-        if _stateful(loader) and restoring is not None and restoring is _FOLLOWED.states and _FOLLOWED.draws:
-            draw = _FOLLOWED.draws.pop(0)  # the loaders come in the order of their saved states
-            if draw is not None:
-                if sampler is None:
-                    raise bcp.MismatchError("a train dataloader was saved with an order drawn from a generator "
-                                            "(shuffle=True) and the live one draws none", key=COMPONENT)
-                replay_order(sampler, draw)
-        return loader
+def on_train_loader(trainer: Any, loader: Any) -> None:
+    """A train loader Lightning has just set up (its sampler in place), before the loop restores its
+    state and iterates it: follow its draws, and resume it where the fit restores a bcp checkpoint."""
+    if not _ours(trainer):
+        return
+    if _FOLLOWED.trainer is None or _FOLLOWED.trainer() is not trainer:
+        _FOLLOWED.trainer = weakref.ref(trainer)
+    sampler = drawing_sampler(loader)
+    if sampler is not None:
+        follow_order(sampler)
+        _check_ranks_draw_alike(sampler)
+    restoring = lightning_patch.states_to_restore(trainer)
+    if _stateful(loader) and restoring is not None and restoring is _PENDING.states and _PENDING.resumes:
+        _PENDING.resumes.pop(0).apply(trainer, loader)
+    if not getattr(trainer.strategy, "follows_train_loaders", False) and _ranks()[1] > 1:
+        _gather_at_saves(trainer)
 
-    setattr(process_dataloader, _FOLLOWS, True)
-    return process_dataloader
+
+def _ours(trainer: Any) -> bool:
+    """Whether the trainer checkpoints through bcp_lightning (directly, or under an async wrapper)."""
+    from bcp_lightning.io import CheckpointIOMixin
+
+    io_plugin = getattr(trainer.strategy, "checkpoint_io", None)
+    return isinstance(io_plugin, CheckpointIOMixin) or isinstance(getattr(io_plugin, "checkpoint_io", None),
+                                                                 CheckpointIOMixin)
+
+
+def _gather_at_saves(trainer: Any) -> None:
+    """Add the callback that gathers every rank's loader states and positions into rank 0's
+    checkpoint dict (once per trainer)."""
+    if any(getattr(callback, _GATHERS, False) for callback in trainer.callbacks):
+        return
+    base = importlib.import_module(f"{lightning_patch._package_of(trainer)}.callbacks").Callback
+    trainer.callbacks.append(type("BCPLoaderPositions", (_GatherPositions, base), {})())
+
+
+_GATHERS = "_bcp_gathers_loader_positions"
+
+
+class _GatherPositions:
+    """Lightning builds the checkpoint dict on every rank and calls the plugin on rank 0 alone: while
+    it builds it, every rank's loader states and positions are gathered into it."""
+
+    _bcp_gathers_loader_positions = True
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        loop = _loop_state(checkpoint)
+        if loop is None or not loop.get(_KEY):
+            return
+        mine = {"loaders": loop[_KEY], "positions": positions(loop[_KEY])}
+        checkpoint[GATHERED] = [_decoded(data) for data in default_coordinator().all_gather_bytes(_encoded(mine))]
+
+
+def _encoded(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _decoded(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _check_ranks_draw_alike(sampler: Any) -> None:
@@ -220,8 +366,7 @@ def _check_ranks_draw_alike(sampler: Any) -> None:
     (the fit sets its loaders up in step), where the ranks' generators differ, since the epoch is then
     no permutation of the dataset and no checkpoint of it can be resumed exactly."""
     generator = getattr(sampler, "generator", None)
-    if generator is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
-            or torch.distributed.get_world_size() == 1:
+    if generator is None or _ranks()[1] == 1:
         return
     digests = default_coordinator().all_gather_bytes(hashlib.sha256(generator.get_state().numpy().tobytes()).digest())
     if len(set(digests)) > 1:
@@ -233,52 +378,30 @@ def _check_ranks_draw_alike(sampler: Any) -> None:
             key=COMPONENT)
 
 
+def walking_sampler(loader: Any) -> Any:
+    """The sampler whose order the loader's batches walk (through a resumed epoch, the original)."""
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    return unwrap_resumed(sampler) if sampler is not None else getattr(loader, "sampler", None)
+
+
 def drawing_sampler(loader: Any) -> Any:
     """The sampler of a train loader that draws its order from a moving generator, or None: the
-    loader's or its batch sampler's (Lightning rebuilds torchdata's batch sampler around the sampler it
-    puts in), or the one Lightning's ``DistributedSamplerWrapper`` wraps."""
-    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        wrapped = getattr(getattr(sampler, "dataset", None), "_sampler", None)  # Lightning's _DatasetSamplerWrapper
-        for candidate in (sampler, wrapped):
-            if candidate is not None and draws_its_order(candidate):
-                return candidate
+    loader's own, or the one Lightning's ``DistributedSamplerWrapper`` wraps."""
+    sampler = walking_sampler(loader)
+    for candidate in (sampler, lightning_patch.wrapped_sampler(sampler)):
+        if candidate is not None and draws_its_order(candidate):
+            return candidate
     return None
+
+
+def _batching(loader: Any) -> tuple[int | None, bool]:
+    """The loader's batch size and drop_last: its batch sampler's where it is torch's or torchdata's
+    (Lightning rebuilds a loader with its batch sampler around the sampler it puts in), else None."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if not loaders_own_batch_sampler(batch_sampler):
+        return None, False
+    return batch_sampler.batch_size, bool(batch_sampler.drop_last)
 
 
 def _stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
-
-
-def _epoch_draws(states: list[Any]) -> list[torch.Tensor | None] | None:
-    """Per saved loader state, the generator state its epoch's order was drawn from, read off the
-    live train loaders of the fit that saves (None where it is not shuffled from a generator, or
-    where no fit set loaders up in this process). Refused where a shuffled loader's draw was unseen."""
-    trainer = _FOLLOWED.trainer() if _FOLLOWED.trainer is not None else None
-    combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
-    if combined is None:
-        return None
-    live = [loader for loader in combined.flattened if _stateful(loader)]
-    if len(live) != len(states):
-        return None
-    draws: list[torch.Tensor | None] = []
-    for index, (loader, state) in enumerate(zip(live, states)):
-        sampler = drawing_sampler(loader)
-        mid_epoch = isinstance(state, dict) and not state.get("_iterator_finished") and _yielded(state)
-        if sampler is None or not mid_epoch:
-            draws.append(None)
-        elif (draw := drawn_from(sampler)) is None:
-            raise bcp.CheckpointError(
-                f"train dataloader {index}: its {type(sampler).__name__} drew this epoch's order from its generator "
-                "before bcp followed it, and the generator has moved on since, so a resume could not walk the same "
-                "order; construct BCPCheckpointIO (or a bcp_lightning strategy) before the fit sets up its data",
-                key=COMPONENT)
-        else:
-            draws.append(draw)
-    return draws
-
-
-def _yielded(state: dict[str, Any]) -> int:
-    try:
-        return batches_yielded(state)
-    except KeyError:  # not a StatefulDataLoader's state
-        return 0

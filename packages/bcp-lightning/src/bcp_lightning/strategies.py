@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import torch
 
 import bcp
-from bcp_lightning import convert, targets
+from bcp_lightning import convert, loader_states, targets
 from bcp_lightning.io import CheckpointIOMixin
 from bcp_lightning.live_state import TORCH_STATE_DICTS, LiveState
 
@@ -35,6 +35,8 @@ class StrategyMixin:
     loads_index_keyed_optimizer_states: bool = False
     #: How the live model and optimizers are read and given loaded state.
     live_state: LiveState = TORCH_STATE_DICTS
+    #: The train loaders reach bcp through ``process_dataloader`` (no patch of the fit loop needed).
+    follows_train_loaders = True
 
     @property
     def checkpoint_io(self) -> CheckpointIOMixin:
@@ -56,6 +58,15 @@ class StrategyMixin:
     @property
     def lightning_restore_optimizer(self) -> bool:
         return False
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Lightning's hook for every loader it sets up; a fit's train loaders are followed and resumed
+        (``loader_states.on_train_loader``) before the loop restores their states and iterates them."""
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer
+        if trainer.training and trainer.state.fn == "fit":
+            loader_states.on_train_loader(trainer, dataloader)
+        return dataloader
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self.live_state.model(self.model)

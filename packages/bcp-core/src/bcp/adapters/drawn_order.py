@@ -69,6 +69,19 @@ def replay(sampler: Any, state: torch.Tensor) -> None:
     sampler._bcp_replay, sampler._bcp_replay_epoch = state.clone(), None
 
 
+def redraw(sampler: Any, state: torch.Tensor) -> list[int]:
+    """The order ``sampler`` draws when its generator starts from ``state`` (its own iteration, run to
+    its end, so the generator then stands where the epoch that drew from ``state`` left it)."""
+    generator = getattr(sampler, "generator", None)
+    if generator is None:
+        generator = sampler.generator = torch.Generator()
+    generator.set_state(state)
+    if _is_followed(sampler):
+        sampler._bcp_drawn_from, sampler._bcp_replay = state.clone(), None
+    base = getattr(type(sampler), "_bcp_base", type(sampler))
+    return [int(i) for i in base.__iter__(sampler)]
+
+
 def _is_followed(sampler: Any) -> bool:
     return type(sampler) in _FOLLOWING.values()
 

@@ -11,23 +11,26 @@ settings and epoch:
 
 - ``bcp.ResumableDistributedSampler``: any DP change continues the global order exactly (the
   sampler's own resharding, given the consumed counts instead of the handed-out ones);
-- torch's ``DistributedSampler`` (under a torchdata ``StatefulDataLoader``): the new ranks skip
-  ``consumed x D / D'`` samples of their own shard each, which is exact when that is a whole number
-  of batches; otherwise refused, since the sampler cannot start anywhere else.
+- torch's ``DistributedSampler`` (under a torchdata ``StatefulDataLoader``): each rank's part is its
+  position in the epoch's order (``bcp.adapters.epoch_positions``); a resume, on any DP size, deals
+  the samples not yet consumed to the new ranks and the loader delivers this rank's share for the
+  rest of the epoch (``bcp.adapters.resumed_epoch``), then its sampler's order again.
 
 Anything else (another sampler, an iterable dataset, a custom batch sampler) is not handled here.
 """
 
 from __future__ import annotations
 
-import copy
 import weakref
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from bcp.adapters import epoch_order
 from bcp.adapters.distributed_sampler import ResumableDistributedSampler, loaders_own_batch_sampler
+from bcp.adapters.epoch_positions import deliver, natural_walk, plan, position
+from bcp.adapters.epoch_walks import Walk
 from bcp.errors import CheckpointError, MismatchError
 
 if TYPE_CHECKING:  # the dataloader module builds on this one
@@ -127,14 +130,12 @@ class LoaderPosition:
         return isinstance(sampler, ResumableDistributedSampler) and sampler.taken != sampler.resume_at
 
     def consumed(self) -> int:
-        """Samples of this rank's epoch order the trainer has consumed (for bcp's sampler, counted
-        from the position the epoch resumed at, as its ``taken``)."""
+        """Samples of bcp's sampler's epoch order the trainer has consumed, counted from the position
+        the epoch resumed at, as its ``taken``."""
         batches = self._batches()
-        if isinstance(self.sampler, ResumableDistributedSampler):
-            if batches is None:
-                return self.sampler.taken
-            return min(self.sampler.resume_at + batches * self.batch_size, self.sampler.taken)
-        return 0 if batches is None else min(batches * self.batch_size, self.sampler.num_samples)
+        if batches is None:
+            return self.sampler.taken
+        return min(self.sampler.resume_at + batches * self.batch_size, self.sampler.taken)
 
     # -- the ShardedDataloader protocol ----------------------------------------------------------
 
@@ -146,7 +147,22 @@ class LoaderPosition:
                 "seed": s.seed, "drop_last": s.drop_last, "epoch": s.epoch}
 
     def sharded_states(self) -> list[dict[str, Any]]:
-        return [{"taken": self.consumed()}]
+        if isinstance(self.sampler, ResumableDistributedSampler):
+            return [{"taken": self.consumed()}]
+        return [{"position": self._position()}]
+
+    def _position(self) -> dict[str, Any]:
+        """Where this rank stands in the epoch's order (the resumed share it walks, after a resume)."""
+        batches = self._batches() or 0
+        walk = natural_walk(self.sampler)
+        finished = self._stateful and self.loader._iterator is not None and self.loader._iterator._finished
+        return position(self.loader, epoch_order.distributed(self.sampler), walk,
+                        consumed=batches * self.batch_size, finished=finished, epoch=self.sampler.epoch,
+                        batch_size=self.batch_size, batch_drop_last=self.loader.drop_last, drop=self._drops(),
+                        generator=None)
+
+    def _drops(self) -> bool:
+        return bool(self.loader.drop_last or self.sampler.drop_last)
 
     @staticmethod
     def assign_parts(saved: list[PartKey], dp_size: int) -> list[list[PartKey]]:
@@ -166,7 +182,7 @@ class LoaderPosition:
             self.sampler.load_dataloader_state(replicated, sharded)
             self._restart()
         else:
-            self._load_distributed_sampler(replicated, [int(part["taken"]) for part in sharded])
+            self._load_distributed_sampler(replicated, sharded)
 
     def _restart(self) -> None:
         """Make the loader's next iterator start from the sampler's position (dropping any batches its
@@ -176,36 +192,34 @@ class LoaderPosition:
         elif self.loader.persistent_workers:
             self.loader._iterator = None
 
-    def _load_distributed_sampler(self, replicated: dict[str, Any], taken: list[int]) -> None:
+    def _load_distributed_sampler(self, replicated: dict[str, Any], sharded: list[dict[str, Any]]) -> None:
+        """Deal the rest of the saved epoch to this rank (its own batches again on the same DP size)."""
         s = self.sampler
         live = {"size": len(s.dataset), "shuffle": s.shuffle, "seed": s.seed, "drop_last": s.drop_last}
         saved = {k: replicated[k] for k in live}
         if saved != live:
             raise MismatchError(f"the DistributedSampler was saved with {saved}, the live one has {live}",
                                 key=f"{_KEY}/replicated")
-        dp_size, dp_rank = s.num_replicas, s.rank
-        if len(taken) == dp_size:
-            skip = taken[dp_rank]
-        elif len(set(taken)) != 1:
-            raise MismatchError(f"the saved ranks had consumed different numbers of samples ({taken}): the consumed "
-                                f"positions are not a prefix of the order, so they cannot be continued on {dp_size} "
-                                "DP ranks", key=_KEY)
-        else:
-            total = taken[0] * len(taken)
-            skip, rest = divmod(total, dp_size)
-            if rest or skip % self.batch_size:
-                raise MismatchError(
-                    f"the {len(taken)} saved ranks had consumed {total} samples of the epoch; a DistributedSampler on "
-                    f"{dp_size} ranks can only resume at a whole number of batches of {self.batch_size} per rank "
-                    f"({total} / {dp_size} is {total / dp_size:g} samples), so that position cannot be continued "
-                    "exactly; use bcp.ResumableDistributedSampler to resume anywhere", key=_KEY)
-        s.set_epoch(int(replicated["epoch"]))
-        if skip == 0:
-            self._restart()
-        else:
-            state = skipping(self.loader.state_dict(), skip // self.batch_size, self.batch_size,
-                             finished=skip >= s.num_samples)
-            self.loader.load_state_dict(state)
+        positions = [part["position"] if "position" in part else _position_of_count(replicated, len(sharded), rank,
+                                                                                     int(part["taken"]))
+                     for rank, part in enumerate(sharded)]
+        resume = plan(positions, s.num_replicas, s.rank, batch_size=self.batch_size,
+                      batch_drop_last=self.loader.drop_last, drop=self._drops())
+        s.set_epoch(resume.next_epoch())
+        self._restart()
+        deliver(self.loader, resume, None, record=positions[0])
+
+
+def _position_of_count(replicated: dict[str, Any], world: int, rank: int, taken: int) -> dict[str, Any]:
+    """The position of a rank saved as the samples it had consumed (``{"taken": n}``, as bcp saved it
+    before positions)."""
+    size, drop_last = int(replicated["size"]), bool(replicated["drop_last"])
+    per_rank = size // world if drop_last else -(-size // world)
+    order = epoch_order.permutation(size, replicated["seed"] + replicated["epoch"]) if replicated["shuffle"] \
+        else epoch_order.sequence(size)
+    walk = Walk(world, rank, 0, per_rank)
+    return {"order": order, "length": size, "epoch": int(replicated["epoch"]), "walk": walk.record(taken),
+            "finished": taken >= per_rank, "generator": None}
 
 
 def batches_yielded(state: dict[str, Any]) -> int:
@@ -213,59 +227,3 @@ def batches_yielded(state: dict[str, Any]) -> int:
     if "_snapshot" in state:
         return int(state["_snapshot"]["_snapshot_step"]) + int(state["_steps_since_snapshot"])
     return int(state["_num_yielded"])
-
-
-def reshard_states(saved: list[dict[str, Any]], dp_rank: int, dp_size: int) -> dict[str, Any]:
-    """The state for DP rank ``dp_rank`` of ``dp_size`` of a StatefulDataLoader whose ranks walk
-    their shards of one global order (torch's ``DistributedSampler``, bcp's sampler, or a batch
-    sampler dealing batches round-robin), from the states of the ``len(saved)`` ranks that saved it
-    (DP order). The saved ranks consumed ``n`` batches each, the first ``n x D`` of the order; the
-    new ones skip ``n x D / D'`` each. Refused where that is not whole, where the ranks consumed
-    different counts, or where the state holds positions of an iterable dataset's read workers."""
-    if len(saved) == dp_size:
-        return saved[dp_rank]
-    for state in saved:
-        for worker in (state.get("_snapshot", {}).get("_worker_snapshots") or {}).values():
-            if worker and (worker.get("dataset_state") is not None or worker.get("fetcher_state") is not None):
-                raise MismatchError(
-                    f"the StatefulDataLoader's read workers hold positions within the {len(saved)} saved ranks' shards "
-                    "of an iterable dataset, which bcp cannot split or merge", key=_KEY)
-    iter_states = [(s["_snapshot"]["_main_snapshot"] if "_snapshot" in s else s).get("_sampler_iter_state") for s in saved]
-    if any(state and "sampler_state" in state for state in iter_states):
-        raise MismatchError("the StatefulDataLoader's sampler keeps its own position (it has state_dict), which bcp "
-                            f"cannot move from {len(saved)} ranks to {dp_size}", key=_KEY)
-    counts = [batches_yielded(state) for state in saved]
-    if len(set(counts)) != 1:
-        raise MismatchError(f"the saved ranks had consumed different numbers of batches ({counts}): the consumed "
-                            f"positions are not a prefix of the order, so they cannot be continued on {dp_size} "
-                            "DP ranks", key=_KEY)
-    batches, rest = divmod(counts[0] * len(saved), dp_size)
-    if rest:
-        raise MismatchError(f"the {len(saved)} saved ranks had consumed {counts[0] * len(saved)} batches of the epoch, "
-                            f"which is no whole number of batches on each of {dp_size} ranks; a StatefulDataLoader "
-                            "resumes only at a whole batch", key=_KEY)
-    main = saved[0]["_snapshot"]["_main_snapshot"] if "_snapshot" in saved[0] else saved[0]
-    iter_state, handed = iter_states[0], int(main["_sampler_iter_yielded"])
-    batch_size = iter_state["samples_yielded"] // handed if iter_state and handed else 0
-    return skipping(saved[0], batches, batch_size, finished=all(state["_iterator_finished"] for state in saved))
-
-
-def skipping(fresh: dict[str, Any], batches: int, batch_size: int, *, finished: bool) -> dict[str, Any]:
-    """A StatefulDataLoader state that resumes ``batches`` batches into its sampler's epoch order,
-    made from a state of the same loader (``fresh``): its batch sampler skips them (torchdata's batch
-    sampler skips ``batches x batch_size`` samples; another batch sampler, ``batches`` batches) and
-    the loader counts them yielded. ``finished``: the epoch was over, the next iteration starts the
-    next one (as torchdata restores a finished loader)."""
-    state = copy.deepcopy(fresh)
-    main = state["_snapshot"]["_main_snapshot"] if "_snapshot" in state else state
-    if main.get("_sampler_iter_state") is not None:
-        main["_sampler_iter_state"] = {"samples_yielded": batches * batch_size}
-    main["_sampler_iter_yielded"] = batches
-    if "_snapshot" in state:
-        state["_snapshot"]["_snapshot_step"] = batches
-        state["_snapshot"]["_last_yielded_worker_id"] = (batches - 1) % main["_num_workers"]
-        state["_steps_since_snapshot"] = 0
-    else:
-        state["_num_yielded"] = batches
-    state["_iterator_finished"] = finished
-    return state
