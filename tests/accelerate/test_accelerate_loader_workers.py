@@ -1,14 +1,19 @@
 """Accelerate's stateful dataloaders with 2 read workers (``use_stateful_dataloader=True``,
-``ACCELERATE_CHECKPOINT_ENGINE=bcp``), 96 samples in batches of 4: 2 processes take 6 batches each
-and ``save_state()``; ``load_state()`` on 2, 1, 3 or 4 processes and the rest of the epoch: the
-samples before and after are every sample exactly once, and on 2 processes each process takes the
-very batches of the uninterrupted run. In order, and shuffled (``shuffle=True`` with a generator
-seeded 0: accelerate keeps it in step across processes and draws each epoch's permutation from it).
+``ACCELERATE_CHECKPOINT_ENGINE=bcp``), 96 samples in batches of 4, resumed through ``load_state()`` on
+another number of processes: the samples before the save and after it are every sample of the epoch
+exactly once, in order, shuffled (``shuffle=True`` with a generator seeded 0: accelerate keeps it in
+step across processes and draws each epoch's permutation from it) and with ``use_seedable_sampler``.
 
-The defects this guards: another number of processes was refused, since each process's loader
-state was an opaque position within its own shard; shuffled, a resume drew another permutation
-from the generator, which had moved on, so samples were lost and repeated silently, on the same
-number of processes too."""
+2 processes run three epochs uninterrupted, saving after 5 batches of epoch 0 (40 samples: no whole
+number of batches on 3 processes), after its last batch and after 5 batches of epoch 2; resumed on 2,
+each process takes the very batches of the uninterrupted run (in epoch 2 too, and the epoch after a
+save at the end of one is the uninterrupted run's next epoch); on 1, 3 and 4 processes every sample
+once. The same from 4 processes to 3 and from 3 to 2.
+
+The defects this guards: another number of processes was refused unless the consumed batches divided
+into whole batches per process; accelerate does not restore a loader's epoch count, so a seedable
+loader resumed in epoch 2 walked epoch 0's order; a save at the end of an epoch restored a finished
+position (an empty next epoch) and a generator that had not drawn the next epoch's order."""
 
 from __future__ import annotations
 
@@ -23,15 +28,17 @@ from torch.utils.data import DataLoader, TensorDataset
 import bcp
 import spawned_ranks
 from accelerate_helpers import session
+from resumed_epochs import BATCH, BEFORE, SIZE, assert_every_sample_once, from_more_ranks_to_fewer, resume_on, \
+    resume_on_the_saving_ranks, uninterrupted_run
 
 pytest.importorskip("torchdata.stateful_dataloader")
 
-SIZE, BATCH, BEFORE = 96, 4, 6  # 2 x 6 batches taken: a whole number of batches on 1, 2, 3 and 4 processes
-SHUFFLED = (False, True)
+SETUPS = ("in order", "shuffled", "seedable")
 
 
-def _loaders(accelerator) -> list:
-    return [accelerator.prepare(_loader(shuffle)) for shuffle in SHUFFLED]
+def _loaders(accelerator, seedable: bool) -> dict[str, DataLoader]:
+    names = ("seedable",) if seedable else ("in order", "shuffled")
+    return {name: accelerator.prepare(_loader(name != "in order")) for name in names}
 
 
 def _loader(shuffle: bool, workers: int = 2) -> DataLoader:
@@ -40,45 +47,62 @@ def _loader(shuffle: bool, workers: int = 2) -> DataLoader:
                       generator=generator)
 
 
-def _session():
-    config = DataLoaderConfiguration(use_stateful_dataloader=True)
-    return session("bcp", dataloader_config=config)
+def _session(seedable: bool):
+    torch.manual_seed(0)  # a seedable sampler seeds its orders from the initial seed: alike on every process
+    return session("bcp", dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True,
+                                                                    use_seedable_sampler=seedable))
 
 
-def save_mid_epoch(path: str) -> list[tuple[list[int], list[int]]]:
-    """Per loader: the samples before the save and those the uninterrupted run takes after it."""
-    with _session() as accelerator:
-        iterators = [iter(loader) for loader in _loaders(accelerator)]
-        before = [[i for _ in range(BEFORE) for i in next(it)[0].tolist()] for it in iterators]
-        accelerator.save_state(path)
-        return [(taken, [i for batch in it for i in batch[0].tolist()]) for taken, it in zip(before, iterators)]
+def _ids(batch) -> list[int]:
+    return batch[0].tolist()
 
 
-def resume(path: str) -> list[list[int]]:
-    with _session() as accelerator:
-        loaders = _loaders(accelerator)
-        accelerator.load_state(path)
-        return [[i for batch in loader for i in batch[0].tolist()] for loader in loaders]
+def run_epochs(folder: str, epochs: int = 3, saves: tuple[tuple[int, int], ...] = ((0, BEFORE),),
+               resume_from: str | None = None, first_epoch: int = 0) -> dict[str, dict[int, list[int]]]:
+    """Per setup, the ids each epoch delivered to this process from ``first_epoch`` on (after
+    ``load_state(resume_from)``), saving ``<folder>/<setup>/e<epoch>b<batches>`` after the batches named."""
+    seen: dict[str, dict[int, list[int]]] = {}
+    for seedable in (False, True):
+        with _session(seedable) as accelerator:
+            loaders = _loaders(accelerator, seedable)
+            if resume_from is not None:
+                accelerator.load_state(os.path.join(resume_from, "seedable" if seedable else "default"))
+            for epoch in range(first_epoch, epochs):
+                for name, loader in loaders.items():
+                    seen.setdefault(name, {})[epoch] = []
+                taken = {name: iter(loader) for name, loader in loaders.items()}
+                for count in range(1, len(loaders["seedable" if seedable else "in order"]) + 1):
+                    for name, batches in taken.items():
+                        seen[name][epoch] += _ids(next(batches, [torch.tensor([], dtype=torch.long)]))
+                    if (epoch, count) in saves:
+                        accelerator.save_state(os.path.join(folder, f"e{epoch}b{count}",
+                                                            "seedable" if seedable else "default"))
+                for name, batches in taken.items():  # a share resumed on another number may end short of len()
+                    seen[name][epoch] += [i for batch in batches for i in _ids(batch)]
+    return seen
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    path = os.path.join(str(tmp_path_factory.mktemp("accelerate-workers")), "ckpt")
-    return path, spawned_ranks.run(2, save_mid_epoch, path)
+uninterrupted = uninterrupted_run(run_epochs)
 
 
-@pytest.mark.parametrize("processes", [2, 1, 3, 4])
-def test_every_sample_exactly_once_after_load_state_on_any_number_of_processes(saved, processes):
-    path, before_and_after = saved
-    resumed = spawned_ranks.run(processes, resume, path)
-    for k, shuffle in enumerate(SHUFFLED):
-        before = [i for rank in before_and_after for i in rank[k][0]]
-        after = [i for rank in resumed for i in rank[k]]
-        assert sorted(before + after) == list(range(SIZE)), f"shuffle={shuffle}"
-        if processes == 2:
-            assert [rank[k] for rank in resumed] == [rank[k][1] for rank in before_and_after], f"shuffle={shuffle}"
-    shuffled = [i for rank in before_and_after for i in rank[1][0]]
-    assert shuffled != sorted(shuffled)  # the shuffled loader's order is a permutation, not the identity
+def test_a_resume_on_the_same_number_of_processes_takes_the_uninterrupted_batches(uninterrupted):
+    folder, saved = uninterrupted
+    assert_every_sample_once(saved, SETUPS, range(3))
+    shuffled = saved[0]["shuffled"][0]
+    assert shuffled != sorted(shuffled)
+    assert saved[0]["seedable"][0] != saved[0]["seedable"][2]  # a seeded order per epoch
+    resume_on_the_saving_ranks(run_epochs, folder, saved, SETUPS)
+
+
+@pytest.mark.parametrize("processes", [1, 3, 4])
+def test_every_sample_exactly_once_after_load_state_on_another_number_of_processes(uninterrupted, processes):
+    folder, saved = uninterrupted
+    resume_on(processes, run_epochs, folder, saved, SETUPS, 2 if processes == 3 else 0)
+
+
+@pytest.mark.parametrize("saved_on, resumed_on", [(4, 3), (3, 2)])
+def test_every_sample_exactly_once_from_more_processes_to_fewer(tmp_path, saved_on, resumed_on):
+    from_more_ranks_to_fewer(run_epochs, str(tmp_path), saved_on, resumed_on, SETUPS)
 
 
 def test_a_shuffled_loader_whose_draw_bcp_did_not_see_is_refused(tmp_path):
@@ -86,7 +110,7 @@ def test_a_shuffled_loader_whose_draw_bcp_did_not_see_is_refused(tmp_path):
     ``prepare_data_loader``) drew its epoch's order unseen: its save is refused, not saved as a
     position in an order no resume could draw again."""
     prepare = accelerate.Accelerator.prepare_data_loader.__wrapped__
-    with _session() as accelerator:
+    with _session(False) as accelerator:
         loader = prepare(accelerator, _loader(True, workers=0))
         accelerator._dataloaders.append(loader)
         batches = iter(loader)

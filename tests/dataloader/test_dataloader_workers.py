@@ -1,16 +1,23 @@
-"""Loaders with read-worker processes (2 workers, default prefetch) save what the trainer consumed,
-not what their workers read ahead: a torch DataLoader and a torchdata StatefulDataLoader with
-bcp.ResumableDistributedSampler, a StatefulDataLoader with torch's DistributedSampler, and a torch
-DataLoader whose bcp sampler is saved on its own (the bare sampler in the entry), each shuffled,
-consume 6 batches per rank on 2 gloo ranks and save; resumed on 2, 1, 3 or 4 ranks, the samples
-before the save and after it are every sample exactly once, and on 2 ranks each rank continues
-with the very batches of the uninterrupted run.
+"""Loaders with read-worker processes (2 workers, default prefetch) in a bare ``bcp.DataloaderState``,
+resumed on any number of ranks: a torch DataLoader and a torchdata StatefulDataLoader with
+bcp.ResumableDistributedSampler, a StatefulDataLoader with torch's DistributedSampler shuffled and in
+order, and a torch DataLoader whose bcp sampler is saved on its own (the bare sampler in the entry).
 
-The defect this guards: the sampler counted the indices handed to the workers, which prefetch
-``num_workers x prefetch_factor`` batches ahead, so a resume skipped the samples read ahead (saved
-on its own, the sampler went on doing so after the loader in the entry was fixed)."""
+2 gloo ranks run three epochs uninterrupted, saving after 5 batches of epoch 0 (40 samples: no whole
+number of batches on 3 ranks), after its last batch and after 5 batches of epoch 2. Resumed on 2,
+each rank takes the very batches of the uninterrupted run, and the epoch after a save at the end of
+one is the uninterrupted run's next epoch; on 1, 3 and 4 ranks the samples before the save and after
+it are every sample of the epoch exactly once (in epoch 2 too). The same from 4 ranks to 3 and from
+3 to 2.
+
+The defects this guards: the sampler counted the indices handed to the workers, which prefetch
+``num_workers x prefetch_factor`` batches ahead, so a resume skipped the samples read ahead; torch's
+DistributedSampler resumed on another DP size only where the consumed samples made a whole number
+of batches per new rank, and was refused otherwise."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch.distributed as dist
@@ -19,13 +26,14 @@ from torch.utils.data.distributed import DistributedSampler
 
 import bcp
 import spawned_ranks
+from resumed_epochs import BATCH, BEFORE, SIZE, assert_every_sample_once, from_more_ranks_to_fewer, resume_on, \
+    resume_on_the_saving_ranks, uninterrupted_run
 
 stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
 
-SIZE, BATCH, WORKERS, EPOCH = 96, 4, 2, 1
-CONSUMED = 6  # batches per rank before the save: 48 samples, a whole number of batches on 1, 2, 3 and 4 ranks
+WORKERS = 2
 KINDS = ("DataLoader+bcp sampler", "StatefulDataLoader+bcp sampler", "StatefulDataLoader+DistributedSampler",
-         "DataLoader+bcp sampler, the bare sampler in the entry")
+         "StatefulDataLoader+DistributedSampler, in order", "DataLoader+bcp sampler, the bare sampler in the entry")
 
 
 class Ids(Dataset):
@@ -36,12 +44,12 @@ class Ids(Dataset):
         return i
 
 
-def _loader(kind: str, rank: int, world: int, epoch: int = EPOCH) -> DataLoader:
+def _loader(kind: str, rank: int, world: int) -> DataLoader:
+    shuffle = not kind.endswith("in order")
     if "bcp sampler" in kind:
-        sampler = bcp.ResumableDistributedSampler(SIZE, dp_rank=rank, dp_size=world, shuffle=True, seed=7)
+        sampler = bcp.ResumableDistributedSampler(SIZE, dp_rank=rank, dp_size=world, shuffle=shuffle, seed=7)
     else:
-        sampler = DistributedSampler(Ids(), num_replicas=world, rank=rank, shuffle=True, seed=7)
-    sampler.set_epoch(epoch)
+        sampler = DistributedSampler(Ids(), num_replicas=world, rank=rank, shuffle=shuffle, seed=7)
     cls = DataLoader if kind.startswith("DataLoader") else stateful_dataloader.StatefulDataLoader
     return cls(Ids(), batch_size=BATCH, sampler=sampler, num_workers=WORKERS)
 
@@ -51,68 +59,63 @@ def _entry(loader: DataLoader, rank: int, world: int, kind: str = "") -> dict:
     return {"dataloader": bcp.DataloaderState(saved, dp_rank=rank, dp_size=world)}
 
 
-def save_mid_epoch(folder: str) -> dict[str, tuple[list[int], list[int]]]:
-    """Per loader kind: the samples before the save, and those the uninterrupted run takes after it."""
+def run_epochs(folder: str, epochs: int = 3, saves: tuple = ((0, BEFORE),), resume_from: str | None = None,
+               first_epoch: int = 0) -> dict[str, dict[int, list[int]]]:
+    """Per loader kind, the samples each epoch delivered to this rank from ``first_epoch`` on (after
+    loading ``<resume_from>/<kind>``), saving ``<folder>/e<epoch>b<batches>/<kind>`` after the batches named."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    out = {}
+    out: dict[str, dict[int, list[int]]] = {}
     for kind in KINDS:
         loader = _loader(kind, rank, world)
         state = _entry(loader, rank, world, kind)  # built before iterating: a plain DataLoader's iterator is followed
-        batches = iter(loader)
-        before = [i for _ in range(CONSUMED) for i in next(batches).tolist()]
-        bcp.save(f"{folder}/{kind}", state)
-        out[kind] = (before, [i for batch in batches for i in batch.tolist()])
+        if resume_from is not None:
+            bcp.load(os.path.join(resume_from, kind), state)
+        for epoch in range(first_epoch, epochs):
+            loader.sampler.set_epoch(epoch)  # as a training loop does; the resumed epoch keeps its position
+            out.setdefault(kind, {})[epoch] = seen = []
+            for count, batch in enumerate(loader, 1):
+                seen += batch.tolist()
+                if (epoch, count) in saves:
+                    bcp.save(os.path.join(folder, f"e{epoch}b{count}", kind), state)
     return out
 
 
-def resume(folder: str) -> dict[str, list[int]]:
-    """Per loader kind: the samples a loader built for epoch 0 delivers after the load (the load
-    brings back the epoch and the position), to the end of the epoch."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = {}
-    for kind in KINDS:
-        loader = _loader(kind, rank, world, epoch=0)
-        bcp.load(f"{folder}/{kind}", _entry(loader, rank, world, kind))
-        out[kind] = [i for batch in loader for i in batch.tolist()]
-    return out
+uninterrupted = uninterrupted_run(run_epochs)
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("workers"))
-    return folder, spawned_ranks.run(2, save_mid_epoch, folder)
+def test_a_resume_on_the_same_dp_size_continues_with_the_uninterrupted_batches(uninterrupted):
+    folder, saved = uninterrupted
+    assert_every_sample_once(saved, KINDS, range(3))
+    resume_on_the_saving_ranks(run_epochs, folder, saved, KINDS)
 
 
-@pytest.mark.parametrize("dp_size", [2, 1, 3, 4])
-def test_every_sample_exactly_once_after_a_resume_on_any_dp_size(saved, dp_size):
-    folder, before_and_after = saved
-    resumed = spawned_ranks.run(dp_size, resume, folder)
-    for kind in KINDS:
-        before = [i for rank in before_and_after for i in rank[kind][0]]
-        assert len(before) == 2 * CONSUMED * BATCH
-        after = [i for rank in resumed for i in rank[kind]]
-        assert sorted(before + after) == list(range(SIZE)), kind
-        if dp_size == 2:
-            assert [rank[kind] for rank in resumed] == [rank[kind][1] for rank in before_and_after], kind
+@pytest.mark.parametrize("dp_size", [1, 3, 4])
+def test_every_sample_exactly_once_after_a_resume_on_another_dp_size(uninterrupted, dp_size):
+    folder, saved = uninterrupted
+    for epoch in (0, 2) if dp_size == 3 else (0,):
+        resume_on(dp_size, run_epochs, folder, saved, KINDS, epoch)
 
 
-def test_a_distributed_sampler_position_off_a_whole_batch_is_refused(tmp_path):
-    """5 batches of 4 on 2 ranks are 40 samples: 13.3 per rank on 3 ranks, 10 (2.5 batches) on 4,
-    where torch's DistributedSampler cannot start; bcp's sampler can."""
+@pytest.mark.parametrize("saved_on, resumed_on", [(4, 3), (3, 2)])
+def test_every_sample_exactly_once_from_more_ranks_to_fewer(tmp_path, saved_on, resumed_on):
+    from_more_ranks_to_fewer(run_epochs, str(tmp_path), saved_on, resumed_on, KINDS)
+
+
+def test_ranks_that_consumed_different_numbers_of_batches_resume_only_on_their_own_number(tmp_path):
+    """Rank 1 one batch ahead of rank 0: what they consumed is no prefix of the order, so it cannot be
+    dealt to another number of ranks (refused, naming the counts); on 2 ranks each continues its own."""
     kind = "StatefulDataLoader+DistributedSampler"
     path = str(tmp_path / "ckpt")
-    spawned_ranks.run(2, save_after, path, kind, 5)
-    for dp_size in (3, 4):
-        with pytest.raises(bcp.MismatchError, match=f"consumed 40 samples of the epoch; a DistributedSampler on "
-                                                    f"{dp_size} ranks can only resume at a whole number of batches"):
-            bcp.load(path, _entry(_loader(kind, 0, dp_size), 0, dp_size))
+    spawned_ranks.run(2, save_after, path, kind)
+    with pytest.raises(bcp.MismatchError, match=r"the saved ranks had consumed \[16, 20\] of their shares"):
+        bcp.load(path, _entry(_loader(kind, 0, 3), 0, 3))
 
 
-def save_after(path: str, kind: str, batches: int) -> None:
+def save_after(path: str, kind: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     loader = _loader(kind, rank, world)
     taken = iter(loader)
-    for _ in range(batches):
+    for _ in range(BEFORE - 1 + rank):
         next(taken)
     bcp.save(path, _entry(loader, rank, world))
 

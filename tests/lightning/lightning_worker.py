@@ -314,60 +314,6 @@ def tier_error(strategy: str, tier: dict[str, Any]) -> str:
     return "no error"
 
 
-class IdsSeen(L.LightningModule):
-    """Records the sample ids of every batch it trains on; its train loader is a StatefulDataLoader
-    with 2 read workers over ids 0..95, with the DistributedSampler Lightning puts in
-    (``sampler="lightning"``) or bcp's sampler (``"bcp"``, with ``use_distributed_sampler=False``)."""
-
-    def __init__(self, shuffle: bool, sampler: str) -> None:
-        super().__init__()
-        self.shuffle, self.sampler = shuffle, sampler
-        self.layer = nn.Linear(1, 1)
-        self.seen: list[int] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        self.seen += batch[0].tolist()
-        return self.layer(batch[0].float().unsqueeze(1)).pow(2).mean()
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    def train_dataloader(self) -> Any:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-
-        ids = torch.utils.data.TensorDataset(torch.arange(96))
-        if self.sampler == "lightning":
-            return StatefulDataLoader(ids, batch_size=4, shuffle=self.shuffle, num_workers=2)
-        sampler = bcp.ResumableDistributedSampler(96, dp_rank=self.trainer.global_rank,
-                                                  dp_size=self.trainer.world_size, shuffle=self.shuffle, seed=5)
-        return StatefulDataLoader(ids, batch_size=4, sampler=sampler, num_workers=2)
-
-
-def fit_ids(dirpath: str, shuffle: bool, sampler: str, every: int = 0, resume_from: str | None = None,
-            seed: str = "alike") -> list[int]:
-    """One epoch of :class:`IdsSeen` under Lightning's DDPStrategy with BCPCheckpointIO, saving every
-    ``every`` steps; the ids this rank trained on. ``seed``: every rank's global RNG seeded alike
-    (a shuffled loader's sampler seeds its generator from it), or ``"per_rank"``."""
-    L.seed_everything(int(os.environ["LOCAL_RANK"]) if seed == "per_rank" else 0, verbose=False)
-    saving = [ModelCheckpoint(dirpath=dirpath, every_n_train_steps=every, save_top_k=-1, filename="{step}")]
-    trainer = L.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=DDPStrategy(), plugins=[BCPCheckpointIO()],
-                        max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=sampler == "lightning", callbacks=saving if every else None,
-                        enable_checkpointing=bool(every))
-    module = IdsSeen(shuffle, sampler)
-    trainer.fit(module, ckpt_path=resume_from)
-    return module.seen
-
-
-def fit_ids_error(**args: Any) -> str:
-    """The message of the error :func:`fit_ids` raises."""
-    try:
-        fit_ids(**args)
-    except Exception as exc:  # the test asserts on the message
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def optimizer_semantics(strategy: str, dirpath: str, case_ids: list[str], steps: int) -> dict[str, list[str]]:
     """``lightning_optimizer_cases.compare_cases`` under ``strategy`` (``single``: Lightning's own
     single-device strategy with BCPCheckpointIO)."""
@@ -425,11 +371,16 @@ LOADER_TRAINERS = {
 
 def fit_epochs(dirpath: str, trainer: str, shuffle: bool, sampler: str = "lightning", epochs: int = 1,
                save_at: tuple[int, ...] = (), resume_from: str | None = None, max_steps: int = -1,
-               seed: str = "alike") -> dict[int, list[int]]:
+               seed: str = "alike", gather: bool = True) -> dict[int, list[int]]:
     """A fit of :class:`EpochIds` (``trainer``: Lightning's DDPStrategy with BCPCheckpointIO, BCPDDPStrategy,
     or a single-device Trainer with BCPCheckpointIO), saving after the steps ``save_at``; per epoch,
     the ids this rank trained on. ``seed``: every rank's global RNG seeded alike (a shuffled loader's
-    sampler seeds its generator from it), or ``"per_rank"``."""
+    sampler seeds its generator from it), or ``"per_rank"``. ``gather=False`` saves through the plugin
+    under Lightning's DDP as a bcp_lightning that did not gather the ranks' loader positions did."""
+    if not gather:
+        from bcp_lightning import loader_states
+
+        loader_states._gather_at_saves = lambda trainer: None
     L.seed_everything(int(os.environ["LOCAL_RANK"]) if seed == "per_rank" else 0, verbose=False)
     run = L.Trainer(accelerator="cpu", devices=WORLD_SIZE, max_epochs=epochs, max_steps=max_steps, logger=False,
                     enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -449,10 +400,9 @@ def fit_epochs_error(**args: Any) -> str:
     return "no error"
 
 
-CASES = {"fit": fit, "fit_epochs": fit_epochs, "fit_epochs_error": fit_epochs_error, "expect_error": expect_error,
-         "count_collectives": count_collectives,
-         "pickle_model": pickle_model, "fit_ids": fit_ids, "fit_ids_error": fit_ids_error, "fit_tier": fit_tier,
-         "tier_error": tier_error, "optimizer_semantics": optimizer_semantics}
+CASES = {"fit": fit, "expect_error": expect_error, "count_collectives": count_collectives,
+         "pickle_model": pickle_model, "fit_epochs": fit_epochs, "fit_epochs_error": fit_epochs_error,
+         "fit_tier": fit_tier, "tier_error": tier_error, "optimizer_semantics": optimizer_semantics}
 
 
 def main() -> None:

@@ -1,14 +1,23 @@
 """The accelerator's stateful dataloaders (``DataLoaderConfiguration(use_stateful_dataloader=True)``)
-as bcp's ``dataloader`` component: each process's loaders' ``state_dict()`` saved as its DP index's
-part through ``bcp.DataloaderState`` (accelerate would ``torch.save`` them from every process into
-one shared file name), restored on the same number of processes and resharded on another.
+as bcp's ``dataloader`` component, resumed on any number of processes.
+
+Each process saves, per stateful prepared loader, the loader's ``state_dict()`` (accelerate would
+``torch.save`` every process's into one shared file name) and its *position*
+(``bcp.integration.loader_position``): the epoch's order (the user's sampler: in order, seeded per
+epoch by ``use_seedable_sampler``, or drawn from its generator), the batches accelerate deals this
+process (every ``num_processes``-th of the order's batches) and how many its loop consumed.
+
+- On the same number of processes each loader gets its own state back, at its saved epoch (accelerate
+  does not restore a loader's epoch count, so a seeded order would restart at epoch 0) and, shuffled,
+  with the draw of the saved epoch replayed.
+- On another number, the samples not yet consumed are dealt to the processes, sample by sample, and
+  each loader delivers its share of the rest of the epoch (the last batch short where the share is not
+  whole; every process the same number of batches), then its own order again.
 
 A shuffled loader (``shuffle=True``, a ``RandomSampler``) draws each epoch's permutation from its
-generator, which accelerate keeps in step across processes and which moves on as it is drawn
-from: a restored loader would draw another permutation. bcp follows the sampler from
-``prepare()`` on (:func:`install`) and saves, beside the loader's state, the generator state the
-epoch's permutation was drawn from; the load replays it (``bcp.integration.replay_order``). A save
-of a shuffled loader whose draw bcp did not see is refused.
+generator, which moves on as it is drawn from (accelerate keeps it in step across processes): bcp
+follows the sampler from ``prepare()`` on (``accelerate_patch``), so a save knows the generator state
+the epoch's permutation was drawn from. A save of a shuffled loader whose draw bcp did not see is refused.
 
 Accelerate's own files still hold the rest of each loader (a seedable sampler): the loaders are
 handed to it as :class:`SamplerOnly`, which tells it their state is not its to save or load.
@@ -16,18 +25,17 @@ handed to it as :class:`SamplerOnly`, which tells it their state is not its to s
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Sequence
 
-import accelerate
 import torch
 
 import bcp
 from bcp import CheckpointError, MismatchError
-from bcp.integration import batches_yielded, draws_its_order, drawn_from, follow_order, replay_order, reshard_states
 from bcp.integration import DATALOADER_COMPONENT
-
-_FOLLOWS = "_bcp_follows_orders"
+from bcp.integration import (Walk, batches_yielded, deliver_resume, draws_its_order, follow_order, loader_position,
+                             loaders_own_batch_sampler, order_of_sampler, plan_resume, replay_order,
+                             rebuild_order, restore_generator, resumed_epoch_of, unwrap_resumed)
+from bcp_accelerate import accelerate_patch
 
 
 def is_stateful(loader: Any) -> bool:
@@ -35,30 +43,20 @@ def is_stateful(loader: Any) -> bool:
 
 
 def install() -> None:
-    """Follow the order drawn by every stateful dataloader ``Accelerator.prepare`` returns from now
-    on (idempotent)."""
-    cls = accelerate.Accelerator
-    if getattr(cls.prepare_data_loader, _FOLLOWS, False):
-        return
-    original = cls.prepare_data_loader
+    """Follow the order drawn by every dataloader ``Accelerator.prepare`` gets from now on (idempotent)."""
+    accelerate_patch.install(_follow)
 
-    @functools.wraps(original)
-    def prepare_data_loader(self: accelerate.Accelerator, data_loader: Any, *args: Any, **kwargs: Any) -> Any:
-        # before accelerate wraps it: its stateful loader makes its first iterator (and draws) right away
-        if (sampler := drawing_sampler(data_loader)) is not None:
-            follow_order(sampler)
-        return original(self, data_loader, *args, **kwargs)
 
-    setattr(prepare_data_loader, _FOLLOWS, True)
-    cls.prepare_data_loader = prepare_data_loader
+def _follow(loader: Any) -> None:
+    if (sampler := drawing_sampler(loader)) is not None:
+        follow_order(sampler)
 
 
 def drawing_sampler(loader: Any) -> Any:
-    """The sampler of a prepared loader that draws its order from a moving generator, or None.
-    Accelerate puts the user's batch sampler inside its ``BatchSamplerShard`` on several processes."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    for sampler in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None),
-                    getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None)):
+    """The sampler of a loader (prepared or not) that draws its order from a moving generator, or None."""
+    batch_sampler = accelerate_patch.user_batch_sampler(loader)
+    for sampler in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        sampler = unwrap_resumed(sampler)
         if sampler is not None and draws_its_order(sampler):
             return sampler
     return None
@@ -66,11 +64,8 @@ def drawing_sampler(loader: Any) -> Any:
 
 class StatefulLoaders:
     """The stateful loaders among the prepared ones, as one :class:`bcp.ShardedDataloader`: each
-    process's loaders' states (by the loader's position among every prepared dataloader) and the
-    generator states their epochs' orders were drawn from are its DP index's part; on another number
-    of processes each loader's state is resharded from all the saved processes'
-    (:func:`bcp.integration.reshard_states`: accelerate deals the batches of one global order
-    round-robin to the processes)."""
+    process's loaders' states and positions (by the loader's place among every prepared dataloader)
+    are its DP index's part."""
 
     def __init__(self, loaders: Sequence[Any], *, process: int = 0, processes: int = 1) -> None:
         self.loaders = {str(i): loader for i, loader in enumerate(loaders) if is_stateful(loader)}
@@ -81,11 +76,8 @@ class StatefulLoaders:
 
     def sharded_states(self) -> list[dict[str, Any]]:
         states = {index: loader.state_dict() for index, loader in self.loaders.items()}
-        draws = {}
-        for index, loader in self.loaders.items():
-            if (draw := _epoch_draw(index, loader, states[index])) is not None:
-                draws[index] = draw
-        return [{"loaders": states, "drawn_from": draws}]
+        positions = {index: _position(index, loader, states[index]) for index, loader in self.loaders.items()}
+        return [{"loaders": states, "positions": {i: p for i, p in positions.items() if p is not None}}]
 
     @staticmethod
     def assign_parts(saved: list[bcp.PartKey], dp_size: int) -> list[list[bcp.PartKey]]:
@@ -93,58 +85,135 @@ class StatefulLoaders:
         return [list(saved) for _ in range(dp_size)]
 
     def load_dataloader_state(self, replicated: Any, sharded: list[dict[str, Any]]) -> None:
-        parts = [part if "loaders" in part else {"loaders": part, "drawn_from": {}} for part in sharded]
-        saved = [part["loaders"] for part in parts]
-        if sorted(saved[0]) != sorted(self.loaders):
-            raise MismatchError(f"stateful dataloaders at positions {sorted(saved[0])} were saved, the accelerator "
-                                f"has them at {sorted(self.loaders)}", key=DATALOADER_COMPONENT)
-        states = {index: reshard_states([states[index] for states in saved], self.process, self.processes)
-                  for index in self.loaders}
-        draws = {index: _saved_draw(index, [part["drawn_from"].get(index) for part in parts],
-                                    self.process if len(parts) == self.processes else None)
-                 for index in self.loaders}
+        parts = [part if "loaders" in part else {"loaders": part} for part in sharded]
+        if sorted(parts[0]["loaders"]) != sorted(self.loaders):
+            raise MismatchError(f"stateful dataloaders at positions {sorted(parts[0]['loaders'])} were saved, the "
+                                f"accelerator has them at {sorted(self.loaders)}", key=DATALOADER_COMPONENT)
         for index, loader in self.loaders.items():
-            sampler = drawing_sampler(loader)
-            if draws[index] is not None and sampler is None:
-                raise MismatchError(f"stateful dataloader {index} was saved with an order drawn from a generator "
-                                    "(shuffle=True) and the live one draws none", key=DATALOADER_COMPONENT)
-            loader.load_state_dict(states[index])
-            if draws[index] is not None:
-                replay_order(sampler, draws[index])
+            self._resume(index, loader, parts)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The states of a checkpoint that saved them as one ``state_dict`` per process."""
         self.load_dataloader_state(None, [state] * self.processes)
 
+    def _resume(self, index: str, loader: Any, parts: list[dict[str, Any]]) -> None:
+        positions = [_saved_position(part, index) for part in parts]
+        if len(parts) == self.processes:
+            own = positions[self.process]
+            if own is None or not own.get("resumed", False):
+                _resume_own(loader, parts[self.process]["loaders"][index], own)
+                return
+        if any(p is None for p in positions):
+            raise MismatchError(
+                f"stateful dataloader {index} was saved on {len(parts)} processes and is loaded on {self.processes}: "
+                "its state is a position within each process's own share that bcp cannot follow (an iterable "
+                "dataset, accelerate's split_batches, or a sampler other than a sequential, random or seedable one), "
+                "so the rest of its epoch cannot be dealt to another number of processes", key=DATALOADER_COMPONENT)
+        batch_size, drop_last = _batching(loader)
+        resumes = [plan_resume(positions, self.processes, process, batch_size=batch_size, batch_drop_last=drop_last,
+                               drop=drop_last) for process in range(self.processes)]
+        mine = resumes[self.process]
+        loader.load_state_dict({})
+        accelerate_patch.set_loader_epoch(loader, mine.next_epoch() or 0)
+        drawing = drawing_sampler(loader)
+        if mine.finished or accelerate_patch.shard(loader) is None:
+            deliver_resume(loader, mine, drawing, record=positions[0])
+        else:
+            _deal_batches(loader, resumes, drawing, batch_size, drop_last, record=positions[0])
 
-def _epoch_draw(index: str, loader: Any, state: dict[str, Any]) -> torch.Tensor | None:
-    """The generator state the loader's epoch order was drawn from, where a resume needs it: a
-    shuffled loader mid-epoch. Refused where bcp did not see the draw."""
-    sampler = drawing_sampler(loader)
-    if sampler is None or state.get("_iterator_finished") or not batches_yielded(state):
-        return None  # in order, or a resume starts a new epoch: nothing of the old order is left to walk
-    draw = drawn_from(sampler)
-    if draw is None:
-        follow_order(sampler)  # from its next epoch on
+
+def _resume_own(loader: Any, state: dict[str, Any], position: dict[str, Any] | None) -> None:
+    """The loader's own state, at the saved epoch (the next one where it was over) and draw."""
+    if position is None:
+        loader.load_state_dict(state)
+        return
+    finished = position["finished"]
+    loader.load_state_dict({} if finished else state)
+    accelerate_patch.set_loader_epoch(loader, int(position["epoch"]) + int(finished))
+    drawing = drawing_sampler(loader)
+    draw = _drawn(position["order"])
+    if finished:
+        restore_generator(drawing, position["generator"])
+    elif draw is not None:
+        if drawing is None:
+            raise MismatchError("a stateful dataloader was saved with an order drawn from a generator (shuffle=True) "
+                                "and the live one draws none", key=DATALOADER_COMPONENT)
+        replay_order(drawing, torch.frombuffer(bytearray(draw["generator"]), dtype=torch.uint8))
+
+
+def _deal_batches(loader: Any, resumes: list[Any], drawing: Any, batch_size: int, drop_last: bool, *,
+                  record: dict[str, Any]) -> None:
+    """Give the loader's shard the rest of the epoch as every process's batches in its round-robin
+    order (each process builds them all: they are the same everywhere)."""
+    mine = resumes[accelerate_patch.shard(loader).process_index]
+    order = rebuild_order(mine.order, drawing)
+    per_process = [_cut(resume.walk.indices(order, resume.length), batch_size, drop_last) for resume in resumes]
+    interleaved = [batches[k] for k in range(len(per_process[0])) for batches in per_process]
+    accelerate_patch.ResumedBatches(loader, interleaved, mine.walk, record, mine.epoch)
+
+
+def _cut(indices: list[int], batch_size: int, drop_last: bool) -> list[list[int]]:
+    batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
+    return batches[:-1] if drop_last and batches and len(batches[-1]) < batch_size else batches
+
+
+def _position(index: str, loader: Any, state: dict[str, Any]) -> dict[str, Any] | None:
+    """This process's position in the loader's epoch, or None where bcp cannot follow it."""
+    batch_size, drop_last = _batching(loader)
+    dealt = accelerate_patch.shard(loader)
+    if batch_size is None or (dealt is not None and dealt.split_batches):
+        return None
+    user = accelerate_patch.user_batch_sampler(loader)
+    sampler, drawing = unwrap_resumed(user.sampler), drawing_sampler(loader)
+    epoch = accelerate_patch.loader_epoch(loader)
+    seed = accelerate_patch.seeded_order(sampler)
+    order = order_of_sampler(sampler) if seed is None else {"kind": "permutation", "size": len(sampler),
+                                                             "seed": seed + epoch}
+    consumed, finished = batches_yielded(state), bool(state.get("_iterator_finished"))
+    resumed = accelerate_patch.resumed_batches(loader) or resumed_epoch_of(loader)
+    if order is None and drawing is not None and resumed is None and consumed and not finished:
+        follow_order(drawing)  # from its next epoch on
         raise CheckpointError(
-            f"stateful dataloader {index}: its {type(sampler).__name__} drew this epoch's order from its generator "
+            f"stateful dataloader {index}: its {type(drawing).__name__} drew this epoch's order from its generator "
             "before bcp followed it (the loader was prepared before bcp_accelerate was installed), and the generator "
             "has moved on since, so a resume could not walk the same order; enable bcp (ACCELERATE_CHECKPOINT_ENGINE="
             "bcp, or bcp_accelerate.enable) before accelerator.prepare()", key=DATALOADER_COMPONENT)
-    return draw
+    if resumed is not None:
+        walk, consumed = resumed.walk, consumed * batch_size  # a resumed share is counted in samples
+    elif dealt is not None:
+        walk = Walk(dealt.num_processes, dealt.process_index, 0, len(dealt), unit=batch_size)
+    else:
+        walk = Walk(1, 0, 0, len(user), unit=batch_size)
+    position = loader_position(loader, order, walk, consumed=consumed, finished=finished, epoch=epoch,
+                               batch_size=batch_size, batch_drop_last=drop_last, drop=drop_last,
+                               generator=getattr(drawing, "generator", None), current=resumed)
+    if position is not None:
+        position["resumed"] = resumed is not None
+    return position
 
 
-def _saved_draw(index: str, draws: list[torch.Tensor | None], process: int | None) -> torch.Tensor | None:
-    """The draw this process replays: its own on the same number of processes; otherwise the one
-    every saved process shares (accelerate keeps the generators in step)."""
-    if process is not None:
-        return draws[process]
-    if any(d is None for d in draws) and any(d is not None for d in draws) \
-            or any(not torch.equal(d, draws[0]) for d in draws if d is not None):
-        raise MismatchError(f"stateful dataloader {index}: the saved processes drew their epoch orders from different "
-                            "generator states, so there is no one global order to continue on another number of "
-                            "processes", key=DATALOADER_COMPONENT)
-    return draws[0]
+def _saved_position(part: dict[str, Any], index: str) -> dict[str, Any] | None:
+    """A loader's saved position; a checkpoint of a shuffled loader saved with the generator state of
+    its draw alone (``drawn_from``, as bcp_accelerate saved it before positions) replays that draw."""
+    position = part.get("positions", {}).get(index)
+    draw = part.get("drawn_from", {}).get(index)
+    if position is None and draw is not None:
+        return {"order": {"kind": "drawn", "generator": draw.numpy().tobytes()}, "finished": False, "epoch": 0}
+    return position
+
+
+def _drawn(order: dict[str, Any] | None) -> dict[str, Any] | None:
+    while order is not None and order["kind"] == "through":
+        order = order["inner"]
+    return order if order is not None and order["kind"] == "drawn" else None
+
+
+def _batching(loader: Any) -> tuple[int | None, bool]:
+    """The batch size and drop_last of the user's batch sampler (None: a custom one)."""
+    user = accelerate_patch.user_batch_sampler(loader)
+    if not loaders_own_batch_sampler(user):
+        return None, False
+    return user.batch_size, bool(user.drop_last)
 
 
 def component(accelerator: Any) -> dict[str, bcp.DataloaderState]:
@@ -168,6 +237,18 @@ class SamplerOnly:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._loader, name)
+
+    def get_sampler(self) -> Any:
+        """The loader's sampler, not a resumed epoch standing in for it (accelerate pickles a seedable one)."""
+        return unwrap_resumed(self._loader.get_sampler())
+
+    def set_sampler(self, sampler: Any) -> None:
+        """Accelerate's load gives a seedable sampler back: under a resumed epoch, to the sampler it stands in for."""
+        current = resumed_epoch_of(self._loader)
+        if current is not None:
+            current.original = sampler
+        else:
+            self._loader.set_sampler(sampler)
 
 
 def for_accelerate_files(loaders: Sequence[Any], in_bcp: bool) -> list[Any]:

@@ -21,7 +21,8 @@ test walks their imports).
   ``DATALOADER_COMPONENT`` is the state-dict entry ``bcp.save`` treats as per-rank data positions;
   ``follow_order``/``drawn_from``/``replay_order``: a shuffled sampler's epoch order as the
   generator state it was drawn from, replayed on resume; a loader's position in its epoch
-  (``loader_position``, from the order it walks: ``order_of_sampler``, ``distributed_order``, and the
+  (``loader_position``, from the order it walks: ``order_of_sampler``, ``distributed_order``,
+  ``rebuild_order``, ``order_shape``, and the
   rank's ``Walk`` of it, ``natural_walk``) and how a rank of another number continues every saved
   rank's (``plan_resume``, delivered by ``deliver_resume``; ``resumed_epoch_of`` and
   ``unwrap_resumed`` see through a loader delivering one; ``restore_generator``);
@@ -41,6 +42,8 @@ from bcp.adapters.drawn_order import replay as replay_order
 from bcp.adapters.distributed_sampler import loaders_own_batch_sampler
 from bcp.adapters.epoch_order import distributed as distributed_order
 from bcp.adapters.epoch_order import of_sampler as order_of_sampler
+from bcp.adapters.epoch_order import rebuild as rebuild_order
+from bcp.adapters.epoch_order import shape as order_shape
 from bcp.adapters.epoch_positions import Resume, natural_walk, restore_generator
 from bcp.adapters.epoch_positions import deliver as deliver_resume
 from bcp.adapters.epoch_positions import plan as plan_resume
@@ -48,7 +51,7 @@ from bcp.adapters.epoch_positions import position as loader_position
 from bcp.adapters.epoch_walks import Walk
 from bcp.adapters.resumed_epoch import original_of as unwrap_resumed
 from bcp.adapters.resumed_epoch import resumed as resumed_epoch_of
-from bcp.adapters.torch_dataloader import batches_yielded
+from bcp.adapters.torch_internals import state_batches_yielded as batches_yielded
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.load import Want, Wanted, load_wanted
 from bcp.api.location import resolve as checkpoint_location
@@ -83,7 +86,7 @@ __all__ = [
     "initialize_state", "replace_state", "adapter_for", "DATALOADER_COMPONENT", "OPTIMIZER_STATE_PREFIX", "OPTIMIZER_PARAM_GROUPS",
     "nested_optimizer_state", "flat_optimizer_values", "batches_yielded", "reshard_states",
     "draws_its_order", "drawn_from", "follow_order", "replay_order",
-    "loader_position", "order_of_sampler", "distributed_order", "natural_walk", "Walk", "plan_resume", "Resume",
+    "loader_position", "order_of_sampler", "distributed_order", "rebuild_order", "order_shape", "natural_walk", "Walk", "plan_resume", "Resume",
     "deliver_resume", "resumed_epoch_of", "unwrap_resumed", "restore_generator", "loaders_own_batch_sampler",
     # frameworks' own pickled files in a checkpoint folder, read safely
     "refusing_pickled_code",

@@ -54,6 +54,9 @@ class CheckpointIOMixin:
     tier, its ``source`` says whether node memory or the persistent copy was read, and why).
     """
 
+    #: The fits that checkpoint through this plugin have their train loaders followed (``loader_states``).
+    bcp_follows_train_loaders = True
+
     def __init__(self, *, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
                  verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS,
                  keep_generations: int = DEFAULT_KEEP_GENERATIONS, load_generation: int | None = None,

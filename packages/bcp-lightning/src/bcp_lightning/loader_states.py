@@ -39,7 +39,7 @@ from torch.utils.data import DistributedSampler
 import bcp
 from bcp.integration import DATALOADER_COMPONENT as COMPONENT
 from bcp.integration import (batches_yielded, default_coordinator, deliver_resume, distributed_order, draws_its_order,
-                             follow_order, loader_position, loaders_own_batch_sampler, natural_walk, order_of_sampler,
+                             follow_order, loader_position, loaders_own_batch_sampler, natural_walk, order_of_sampler, order_shape,
                              plan_resume, replay_order, restore_generator, resumed_epoch_of, unwrap_resumed)
 from bcp_lightning import lightning_patch
 
@@ -87,58 +87,49 @@ class FitLoopLoaders:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The states from a checkpoint that saved them as one ``state_dict`` per rank."""
         self.ranks, self.world = [{"loaders": state["loaders"]}], self.live_world
-        self.resumes = [LoaderResume(state=s) for s in state["loaders"]]
+        self.resumes = [LoaderResume(i, s, None, self.live_world, None) for i, s in enumerate(state["loaders"])]
 
     def _resume(self, index: int) -> "LoaderResume":
         complete = len(self.ranks) == self.world
-        positions = [entry.get("positions", [None] * (index + 1))[index] for entry in self.ranks]
-        if self.world == self.live_world:
-            entry_index = self.rank if complete else 0
-            own = positions[entry_index] or _drawn_before_positions(self.ranks[entry_index], index)
-            if own is None or not own.get("resumed", False):
-                # an epoch saved at its last batch restarts fresh: its state would end the next epoch at once
-                fresh = own is not None and own["finished"]
-                return LoaderResume(state={} if fresh else self.ranks[entry_index]["loaders"][index], position=own)
-        if not complete:
-            raise bcp.MismatchError(
-                f"train dataloader {index}: the checkpoint holds the loader position of rank 0 alone of the "
-                f"{self.world} ranks that saved it (saved through BCPCheckpointIO under Lightning's own strategy by a "
-                f"bcp_lightning that did not gather them), so it resumes only on {self.world} ranks", key=COMPONENT)
-        if any(p is None for p in positions):
-            raise bcp.MismatchError(
-                f"train dataloader {index} was saved on {self.world} ranks and is resumed on {self.live_world}: its "
-                "state is a position within each rank's own order that bcp cannot follow (an iterable dataset, or a "
-                "sampler other than torch's DistributedSampler, a sequential or random sampler, or bcp's), so the "
-                "rest of its epoch cannot be dealt to another number of ranks", key=COMPONENT)
-        return LoaderResume(state={}, positions=positions)
+        entry = self.ranks[self.rank if complete and self.world == self.live_world else 0]
+        positions = [e.get("positions", [None] * (index + 1))[index] for e in self.ranks]
+        own = (entry.get("positions") or [None] * (index + 1))[index] or _drawn_before_positions(entry, index)
+        return LoaderResume(index, entry["loaders"][index], own, self.world,
+                            positions if complete and all(p is not None for p in positions) else None,
+                            complete=complete)
 
 
 @dataclass
 class LoaderResume:
-    """How one train loader of this rank continues: ``state`` is what the loop gives the loader;
-    ``position`` (its own state's) or ``positions`` (every saved rank's: the rest of the epoch is dealt
-    again) say how its sampler is set before the loop iterates it."""
+    """How train loader ``index`` of this rank continues, decided once the fit has set it up: from
+    ``state`` (its own; rank 0's where only rank 0's was saved) where it walks the saved epoch's order
+    on as many ranks as saved it (``own``: that state's position, which sets its sampler's epoch and
+    draw), else from every saved rank's ``positions``, the rest of the epoch dealt again."""
 
+    index: int
     state: dict[str, Any]
-    position: dict[str, Any] | None = None
-    positions: list[dict[str, Any]] | None = None
+    own: dict[str, Any] | None
+    world: int
+    positions: list[dict[str, Any]] | None
+    complete: bool = True
     #: Whether this loader's share moves the loop's count of batches done (the first loader's does).
     counts_batches: bool = False
 
-    def apply(self, trainer: Any, loader: Any) -> None:
+    def apply(self, trainer: Any, loader: Any, states: list[Any]) -> None:
+        """Set the loader up to continue; ``states`` is the list the loop restores the loaders from."""
         walking, drawing = walking_sampler(loader), drawing_sampler(loader)
-        if self.positions is None:
-            if self.position is not None:
-                _set_epoch(walking, self.position, finished=self.position["finished"])
-                if self.position["finished"]:
-                    restore_generator(drawing, self.position["generator"])
-                else:
-                    _replay(drawing, self.position)
+        if self.world == _ranks()[1] and (self.own is None or _walks_as_saved(walking, self.own)):
+            if self.own is not None:
+                _continue_own(walking, drawing, self.own)
+                if self.own["finished"]:  # its state would end the next epoch at once: the next one starts fresh
+                    states[self.index] = {}
             return
+        self._refuse_without_positions()
+        states[self.index] = {}
         batch_size, drop_last = _batching(loader)
         if batch_size is None:
-            raise bcp.MismatchError("a train dataloader with a custom batch sampler: bcp cannot deal it the rest of a "
-                                    "saved epoch; batch it with batch_size=", key=COMPONENT)
+            raise bcp.MismatchError(f"train dataloader {self.index} has a custom batch sampler: bcp cannot deal it "
+                                    "the rest of a saved epoch; batch it with batch_size=", key=COMPONENT)
         rank, world = _ranks()
         resume = plan_resume(self.positions, world, rank, batch_size=batch_size, batch_drop_last=drop_last,
                              drop=drop_last or getattr(walking, "drop_last", False))
@@ -147,6 +138,47 @@ class LoaderResume:
         if self.counts_batches:
             done = lightning_patch.batches_done(trainer)
             lightning_patch.move_batches_done(trainer, len(loader) - resume.batches - done)
+
+    def _refuse_without_positions(self) -> None:
+        if not self.complete:
+            raise bcp.MismatchError(
+                f"train dataloader {self.index}: the checkpoint holds the loader position of rank 0 alone of the "
+                f"{self.world} ranks that saved it (saved through BCPCheckpointIO under Lightning's own strategy by a "
+                f"bcp_lightning that did not gather them), so it resumes only on {self.world} ranks walking the saved "
+                "order", key=COMPONENT)
+        if self.positions is None:
+            raise bcp.MismatchError(
+                f"train dataloader {self.index} was saved on {self.world} ranks and is resumed on {_ranks()[1]}, or "
+                "with another sampler: its state is a position within each rank's own order that bcp cannot follow "
+                "(an iterable dataset, a custom batch sampler, or a sampler other than torch's DistributedSampler, a "
+                "sequential or random sampler, or bcp's), so the rest of its epoch cannot be dealt again",
+                key=COMPONENT)
+
+
+def _walks_as_saved(walking: Any, own: dict[str, Any]) -> bool:
+    """Whether the live loader walks what its saved state walked: its own share of the same order (on
+    as many ranks), not a resumed epoch's share. A state saved with its draw alone (before positions)
+    is taken as its own."""
+    if "walk" not in own:
+        return True
+    if own.get("resumed", False):
+        return False
+    epoch = own.get("epoch")
+    if epoch is not None and callable(getattr(walking, "set_epoch", None)):
+        walking.set_epoch(int(epoch))  # the order it walks in the saved epoch
+    walk, saved = natural_walk(walking), own["walk"]
+    return (walk.world, walk.end) == (saved["world"], saved["end"]) \
+        and _order(walking, shape_only=True) == order_shape(own["order"])
+
+
+def _continue_own(walking: Any, drawing: Any, own: dict[str, Any]) -> None:
+    """The loader's own state continues: its sampler at the saved epoch (the next one where it was
+    over) and the saved draw (or, for the next epoch, the generator where the saved one stood)."""
+    _set_epoch(walking, own, finished=own.get("finished", False))
+    if own.get("finished", False):
+        restore_generator(drawing, own.get("generator"))
+    else:
+        _replay(drawing, own)
 
 
 def _drawn_before_positions(entry: dict[str, Any], index: int) -> dict[str, Any] | None:
@@ -160,7 +192,7 @@ def _drawn_before_positions(entry: dict[str, Any], index: int) -> dict[str, Any]
 
 def _set_epoch(sampler: Any, position: dict[str, Any], *, finished: bool) -> None:
     """The saved epoch (the next one where it was over), before the loop's first iteration."""
-    if position.get("epoch") is not None and isinstance(sampler, DistributedSampler):
+    if position.get("epoch") is not None and callable(getattr(sampler, "set_epoch", None)):
         sampler.set_epoch(int(position["epoch"]) + int(finished))
 
 
@@ -260,7 +292,7 @@ def _position(index: int, loader: Any, state: Any) -> dict[str, Any] | None:
             "before bcp followed it, and the generator has moved on since, so a resume could not walk the same "
             "order; construct BCPCheckpointIO (or a bcp_lightning strategy) before the fit sets up its data",
             key=COMPONENT)
-    epoch = walking.epoch if isinstance(walking, DistributedSampler) else None
+    epoch = getattr(walking, "epoch", None)
     saved = loader_position(loader, order, natural_walk(walking), consumed=consumed, finished=finished, epoch=epoch,
                             batch_size=batch_size, batch_drop_last=drop_last,
                             drop=drop_last or getattr(walking, "drop_last", False),
@@ -270,13 +302,14 @@ def _position(index: int, loader: Any, state: Any) -> dict[str, Any] | None:
     return saved
 
 
-def _order(sampler: Any) -> dict[str, Any] | None:
-    """The spec of the order the sampler walks this epoch, or None where bcp cannot rebuild it."""
+def _order(sampler: Any, *, shape_only: bool = False) -> dict[str, Any] | None:
+    """The spec of the order the sampler walks this epoch, or None where bcp cannot rebuild it
+    (``shape_only``: without the state a drawing sampler draws from)."""
     inner = lightning_patch.wrapped_sampler(sampler)
     if isinstance(sampler, DistributedSampler) and inner is not None:
-        inner_order = order_of_sampler(inner)
+        inner_order = order_of_sampler(inner, shape_only=shape_only)
         return None if inner_order is None else distributed_order(sampler, inner_order)
-    return order_of_sampler(sampler)
+    return order_of_sampler(sampler, shape_only=shape_only)
 
 
 # Following the train loaders as Lightning sets them up.
@@ -311,18 +344,20 @@ def on_train_loader(trainer: Any, loader: Any) -> None:
         _check_ranks_draw_alike(sampler)
     restoring = lightning_patch.states_to_restore(trainer)
     if _stateful(loader) and restoring is not None and restoring is _PENDING.states and _PENDING.resumes:
-        _PENDING.resumes.pop(0).apply(trainer, loader)
+        _PENDING.resumes.pop(0).apply(trainer, loader, restoring)
     if not getattr(trainer.strategy, "follows_train_loaders", False) and _ranks()[1] > 1:
         _gather_at_saves(trainer)
 
 
+#: What marks bcp_lightning's checkpoint plugin (``CheckpointIOMixin``), read without importing it.
+PLUGIN_MARK = "bcp_follows_train_loaders"
+
+
 def _ours(trainer: Any) -> bool:
     """Whether the trainer checkpoints through bcp_lightning (directly, or under an async wrapper)."""
-    from bcp_lightning.io import CheckpointIOMixin
-
     io_plugin = getattr(trainer.strategy, "checkpoint_io", None)
-    return isinstance(io_plugin, CheckpointIOMixin) or isinstance(getattr(io_plugin, "checkpoint_io", None),
-                                                                 CheckpointIOMixin)
+    return getattr(io_plugin, PLUGIN_MARK, False) or getattr(getattr(io_plugin, "checkpoint_io", None), PLUGIN_MARK,
+                                                             False)
 
 
 def _gather_at_saves(trainer: Any) -> None:

@@ -16,14 +16,13 @@ refused otherwise.
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch.utils.data import BatchSampler
-from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from bcp.adapters import torch_internals
 from bcp.errors import CheckpointError, MismatchError
 
 if TYPE_CHECKING:  # the dataloader module builds on this one
@@ -46,7 +45,7 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
         self._iterations = 0
         #: The loader iterator walking the latest iteration (None: not a loader's), and whether it
         #: read ahead of its trainer (it had read workers).
-        self._reader: weakref.ref[_BaseDataLoaderIter] | None = None
+        self._reader: weakref.ref[Any] | None = None
         self._read_ahead = False
 
     def set_epoch(self, epoch: int) -> None:
@@ -71,9 +70,9 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
 
     def _walk(self, iteration: int, taken: int) -> Iterator[int]:
         if iteration == self._iterations:
-            reader = _loader_iterator(sys._getframe(1))
+            reader = torch_internals.calling_iterator()
             self._reader = None if reader is None else weakref.ref(reader)
-            self._read_ahead = reader is not None and reader._num_workers > 0
+            self._read_ahead = reader is not None and torch_internals.reads_ahead(reader)
         order = self.order()
         while (position := self.start + self.dp_rank + taken * self.dp_size) < self.size:
             taken += 1
@@ -102,13 +101,12 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
             raise CheckpointError("a DataLoader's read workers asked this sampler for indices ahead of the trainer, "
                                   "and the loader's iterator is gone, so what the trainer consumed is unknown; save "
                                   "while iterating, or put the loader in the DataloaderState", key="dataloader")
-        batches = reader._index_sampler
-        if not (loaders_own_batch_sampler(batches) and batches.sampler is self) \
-                or not getattr(reader, "_in_order", True):
+        batches = torch_internals.batch_sampler_of(reader)
+        if not (loaders_own_batch_sampler(batches) and batches.sampler is self) or not torch_internals.in_order(reader):
             raise CheckpointError("this sampler is walked by a DataLoader with read workers whose batches are not its "
                                   "batch_size batches of this sampler's order delivered in order (a custom batch sampler "
                                   "or in_order=False), so what the trainer consumed is unknown", key="dataloader")
-        return min(self.resume_at + reader._num_yielded * batches.batch_size, self.taken)
+        return min(self.resume_at + torch_internals.batches_yielded(reader) * batches.batch_size, self.taken)
 
     @staticmethod
     def assign_parts(saved: list[PartKey], dp_size: int) -> list[list[PartKey]]:
@@ -136,14 +134,3 @@ def loaders_own_batch_sampler(batch_sampler: Any) -> bool:
     """Whether the batch sampler is the one a loader makes from ``batch_size`` (torch's or torchdata's)."""
     return isinstance(batch_sampler, BatchSampler) and type(batch_sampler).__module__.startswith(
         ("torch.utils.data", "torchdata.stateful_dataloader"))
-
-
-def _loader_iterator(frame: Any, depth: int = 8) -> _BaseDataLoaderIter | None:
-    """The DataLoader iterator among the callers of ``frame`` (its batch sampler asks the sampler for
-    indices from inside the iterator's methods), or None."""
-    while frame is not None and depth:
-        caller = frame.f_locals.get("self")
-        if isinstance(caller, _BaseDataLoaderIter):
-            return caller
-        frame, depth = frame.f_back, depth - 1
-    return None

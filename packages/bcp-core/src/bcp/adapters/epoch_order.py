@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler, SequentialSampler
 
+from bcp.adapters.distributed_sampler import ResumableDistributedSampler
 from bcp.adapters.drawn_order import draws_its_order, drawn_from, redraw
 from bcp.errors import MismatchError
 
@@ -40,8 +41,7 @@ def permutation(size: int, seed: int) -> dict[str, Any]:
 
 
 def drawn(sampler: Any, state: torch.Tensor) -> dict[str, Any]:
-    return {"kind": "drawn", "size": len(sampler), "sampler": type(sampler).__qualname__,
-            "generator": state.numpy().tobytes()}
+    return {**drawing_shape(sampler), "generator": state.numpy().tobytes()}
 
 
 def through(outer: dict[str, Any], inner: dict[str, Any]) -> dict[str, Any]:
@@ -57,16 +57,23 @@ def distributed(sampler: DistributedSampler, inner: dict[str, Any] | None = None
     return outer if inner is None else through(outer, inner)
 
 
-def of_sampler(sampler: Any) -> dict[str, Any] | None:
-    """The spec of a single-rank sampler's current epoch, or None where bcp cannot rebuild it: a
-    sequential sampler, a ``DistributedSampler`` of torch's own class, or one drawing from a generator
-    whose draw bcp followed."""
+def of_sampler(sampler: Any, *, shape_only: bool = False) -> dict[str, Any] | None:
+    """The spec of a sampler's current epoch, or None where bcp cannot rebuild it: a sequential
+    sampler, a ``DistributedSampler`` of torch's own class, bcp's sampler walking its epoch from the
+    start, or one drawing from a generator whose draw bcp followed (``shape_only``: the
+    :func:`shape` of the spec, known before the draw)."""
     if type(sampler) is SequentialSampler:
         return sequence(len(sampler))
     if type(sampler) is DistributedSampler:
         return distributed(sampler)
+    if isinstance(sampler, ResumableDistributedSampler):
+        if sampler.start or sampler.resume_at:
+            return None  # resumed by its own position: a walk of its own, not a class of the order
+        return permutation(sampler.size, sampler.seed + sampler.epoch) if sampler.shuffle else sequence(sampler.size)
     if draws_its_order(sampler) and getattr(sampler, "replacement", False) is False \
             and len(sampler) == len(getattr(sampler, "data_source", ())):
+        if shape_only:
+            return drawing_shape(sampler)
         state = drawn_from(sampler)
         return None if state is None else drawn(sampler, state)
     return None
@@ -116,6 +123,21 @@ def _redraw(spec: dict[str, Any], sampler: Any) -> list[int]:
 def generator_state(saved: bytes) -> torch.Tensor:
     """A generator state saved as bytes, as ``torch.Generator.set_state`` takes it."""
     return torch.frombuffer(bytearray(saved), dtype=torch.uint8)
+
+
+def shape(spec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The spec without the generator states of its drawn parts: which order a live sampler will walk,
+    before it has drawn (compared with a saved spec's shape)."""
+    if spec is None or spec["kind"] not in ("drawn", "through"):
+        return spec
+    if spec["kind"] == "drawn":
+        return {k: v for k, v in spec.items() if k != "generator"}
+    return through(shape(spec["outer"]), shape(spec["inner"]))
+
+
+def drawing_shape(sampler: Any) -> dict[str, Any]:
+    """The shape of the order a drawing sampler draws (its class and size)."""
+    return {"kind": "drawn", "size": len(sampler), "sampler": type(sampler).__qualname__}
 
 
 def same(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:

@@ -22,7 +22,8 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from bcp.adapters import epoch_order
-from bcp.adapters.epoch_walks import Walk, consumed_prefix, resumed_walk
+from bcp.adapters.distributed_sampler import ResumableDistributedSampler
+from bcp.adapters.epoch_walks import Walk, batch_count, consumed_prefix, resumed_walk
 from bcp.adapters.resumed_epoch import install, resumed
 from bcp.errors import MismatchError
 
@@ -31,19 +32,23 @@ _KEY = "dataloader"
 
 def natural_walk(sampler: Any) -> Walk:
     """The walk a sampler takes through its epoch's order from the epoch's start: a
-    ``DistributedSampler``'s class (padded to or cut at its ``num_samples``), else all of it."""
+    ``DistributedSampler``'s class (padded to or cut at its ``num_samples``), bcp's sampler's class,
+    else all of it."""
     if isinstance(sampler, DistributedSampler):
         return Walk(sampler.num_replicas, sampler.rank, 0, sampler.num_samples)
+    if isinstance(sampler, ResumableDistributedSampler):
+        return Walk(sampler.dp_size, sampler.dp_rank, 0, len(sampler))
     return Walk(1, 0, 0, len(sampler))
 
 
 def position(loader: Any, order: dict[str, Any] | None, walk: Walk, *, consumed: int, finished: bool,
              epoch: int | None, batch_size: int, batch_drop_last: bool, drop: bool,
-             generator: torch.Generator | None) -> dict[str, Any] | None:
-    """This rank's position: the resumed epoch ``loader`` is delivering, where one is installed, else
-    ``walk`` of ``order`` with ``consumed`` units of it done (the trainer's count, not what read
-    workers fetched ahead). None where the order is unknown to bcp."""
-    current = resumed(loader)
+             generator: torch.Generator | None, current: Any = None) -> dict[str, Any] | None:
+    """This rank's position: ``walk`` of ``order`` with ``consumed`` units of it done (the trainer's
+    count, not what read workers fetched ahead), or, within a resumed epoch (``current``, or the
+    :class:`ResumedEpoch` ``loader`` delivers), that epoch's share with ``consumed`` samples of it
+    done. None where the order is unknown to bcp."""
+    current = current if current is not None else resumed(loader)
     if current is not None:
         order, walk, epoch, length = current.record["order"], current.walk, current.epoch, current.record["length"]
     elif order is None:
@@ -90,15 +95,20 @@ def plan(positions: list[dict[str, Any]], world: int, rank: int, *, batch_size: 
                                 key=_KEY)
     length = int(first["length"])
     finished = all(p["finished"] for p in positions)
-    prefix = length if finished else consumed_prefix([p["walk"] for p in positions], length)
     common = dict(order=first["order"], length=length, epoch=first["epoch"], generator=first["generator"])
+    if not finished and len(positions) == world and all(p["walk"]["world"] == world for p in positions):
+        # the same ranks: each continues its own walk, whatever the others consumed
+        walk = Walk.of(positions[rank]["walk"])
+        walk = Walk(walk.world, walk.rank, int(positions[rank]["walk"]["done"]), walk.end, walk.unit)
+        if walk.unit == 1:
+            return Resume(finished=False, walk=walk, batches=batch_count(walk.count(), batch_size, batch_drop_last),
+                          **common)
+    prefix = length if finished else consumed_prefix([p["walk"] for p in positions], length)
     if prefix >= length:
         return Resume(finished=True, walk=None, batches=0, **common)
     walk = resumed_walk(prefix, length, world, rank, batch_size, drop=drop, batch_drop_last=batch_drop_last,
                         even=lockstep)
-    count = walk.count()
-    batches = count // batch_size if batch_drop_last else -(-count // batch_size)
-    return Resume(finished=False, walk=walk, batches=batches, **common)
+    return Resume(finished=False, walk=walk, batches=batch_count(walk.count(), batch_size, batch_drop_last), **common)
 
 
 def deliver(loader: Any, resume: Resume, drawing_sampler: Any, *, record: dict[str, Any]) -> None:

@@ -97,15 +97,16 @@ def resumed_walk(prefix: int, length: int, world: int, rank: int, batch_size: in
     ends = [class_size(length, world, r) for r in range(world)]
     if not even:
         return Walk(world, rank, firsts[rank], ends[rank])
-    batches = [_batches(end - first, batch_size, batch_drop_last) for first, end in zip(firsts, ends)]
+    batches = [batch_count(end - first, batch_size, batch_drop_last) for first, end in zip(firsts, ends)]
     target = min(batches) if drop else max(batches)
     end = ends[rank]
-    while _batches(end - firsts[rank], batch_size, batch_drop_last) > target:
+    while batch_count(end - firsts[rank], batch_size, batch_drop_last) > target:
         end -= 1
-    while _batches(end - firsts[rank], batch_size, batch_drop_last) < target:
+    while batch_count(end - firsts[rank], batch_size, batch_drop_last) < target:
         end += 1
     return Walk(world, rank, firsts[rank], end)
 
 
-def _batches(samples: int, batch_size: int, drop_last: bool) -> int:
+def batch_count(samples: int, batch_size: int, drop_last: bool) -> int:
+    """How many batches a loader cuts ``samples`` samples into."""
     return samples // batch_size if drop_last else -(-samples // batch_size)

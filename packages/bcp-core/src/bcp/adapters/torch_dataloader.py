@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from bcp.adapters import epoch_order
+from bcp.adapters import epoch_order, torch_internals
 from bcp.adapters.distributed_sampler import ResumableDistributedSampler, loaders_own_batch_sampler
 from bcp.adapters.epoch_positions import deliver, natural_walk, plan, position
 from bcp.adapters.epoch_walks import Walk
@@ -84,14 +84,8 @@ def _follow(loader: DataLoader) -> None:
     """Keep the iterators a plain DataLoader makes from now on, so the batches yielded can be read."""
     if loader in _LAST_ITERATORS:
         return
-    make = loader._get_iterator
-
-    def get_iterator() -> Any:
-        _LAST_ITERATORS[loader] = make()
-        return _LAST_ITERATORS[loader]
-
     _LAST_ITERATORS[loader] = None
-    loader._get_iterator = get_iterator  # DataLoader calls it for every new iterator
+    torch_internals.on_new_iterator(loader, lambda iterator: _LAST_ITERATORS.__setitem__(loader, iterator))
 
 
 class LoaderPosition:
@@ -109,21 +103,22 @@ class LoaderPosition:
     def _batches(self) -> int | None:
         """The batches the loader's current iterator has yielded to the trainer, or None when it has
         no iterator bcp can see and nothing reads ahead. Raises where one read ahead unseen."""
+        current = torch_internals.current_iterator(self.loader)
         if self._stateful:
-            pending = getattr(self.loader, "next_iter_state", None)  # loaded, not yet iterated
-            if self.loader._iterator is None:
-                return batches_yielded(pending) if pending else None
-            return self.loader._iterator._num_yielded
+            pending = torch_internals.pending_state(self.loader)  # loaded, not yet iterated
+            if current is None:
+                return torch_internals.state_batches_yielded(pending) if pending else None
+            return torch_internals.batches_yielded(current)
         if self.loader.num_workers == 0:
             return None  # nothing reads ahead: the sampler's count is the trainer's
-        iterator = self.loader._iterator if self.loader.persistent_workers else _LAST_ITERATORS.get(self.loader)
+        iterator = current if self.loader.persistent_workers else _LAST_ITERATORS.get(self.loader)
         if iterator is None and self._handed_out():
             raise CheckpointError(
                 f"a DataLoader with {self.loader.num_workers} read workers was iterated before bcp could follow it: "
                 "its workers read ahead of the trainer, so the sampler's count is not what the trainer consumed. "
                 "Build the DataloaderState before iterating, or use persistent_workers=True or torchdata's "
                 "StatefulDataLoader", key=_KEY)
-        return None if iterator is None else iterator._num_yielded
+        return None if iterator is None else torch_internals.batches_yielded(iterator)
 
     def _handed_out(self) -> bool:
         sampler = self.sampler
@@ -155,7 +150,7 @@ class LoaderPosition:
         """Where this rank stands in the epoch's order (the resumed share it walks, after a resume)."""
         batches = self._batches() or 0
         walk = natural_walk(self.sampler)
-        finished = self._stateful and self.loader._iterator is not None and self.loader._iterator._finished
+        finished = self._stateful and torch_internals.finished(self.loader)
         return position(self.loader, epoch_order.distributed(self.sampler), walk,
                         consumed=batches * self.batch_size, finished=finished, epoch=self.sampler.epoch,
                         batch_size=self.batch_size, batch_drop_last=self.loader.drop_last, drop=self._drops(),
@@ -190,7 +185,7 @@ class LoaderPosition:
         if self._stateful:
             self.loader.load_state_dict({})
         elif self.loader.persistent_workers:
-            self.loader._iterator = None
+            torch_internals.drop_iterator(self.loader)
 
     def _load_distributed_sampler(self, replicated: dict[str, Any], sharded: list[dict[str, Any]]) -> None:
         """Deal the rest of the saved epoch to this rank (its own batches again on the same DP size)."""
@@ -220,10 +215,3 @@ def _position_of_count(replicated: dict[str, Any], world: int, rank: int, taken:
     walk = Walk(world, rank, 0, per_rank)
     return {"order": order, "length": size, "epoch": int(replicated["epoch"]), "walk": walk.record(taken),
             "finished": taken >= per_rank, "generator": None}
-
-
-def batches_yielded(state: dict[str, Any]) -> int:
-    """The batches a StatefulDataLoader had yielded to the trainer in its epoch, from its state."""
-    if "_snapshot" in state:
-        return int(state["_snapshot"]["_snapshot_step"]) + int(state["_steps_since_snapshot"])
-    return int(state["_num_yielded"])
