@@ -26,7 +26,6 @@ from accelerate.utils import DataLoaderConfiguration
 from torch.utils.data import DataLoader, TensorDataset
 
 import bcp
-import spawned_ranks
 from accelerate_helpers import session
 from resumed_epochs import BATCH, BEFORE, SIZE, assert_every_sample_once, from_more_ranks_to_fewer, resume_on, \
     resume_on_the_saving_ranks, uninterrupted_run

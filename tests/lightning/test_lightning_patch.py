@@ -8,7 +8,6 @@ import importlib.metadata
 import inspect
 
 import lightning as L
-import pytest
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.loops import fit_loop
