@@ -171,13 +171,16 @@ def _position(index: str, loader: Any, state: dict[str, Any]) -> dict[str, Any] 
                                                              "seed": seed + epoch}
     consumed, finished = batches_yielded(state), bool(state.get("_iterator_finished"))
     resumed = accelerate_patch.resumed_batches(loader) or resumed_epoch_of(loader)
-    if order is None and drawing is not None and resumed is None and consumed and not finished:
-        follow_order(drawing)  # from its next epoch on
-        raise CheckpointError(
-            f"stateful dataloader {index}: its {type(drawing).__name__} drew this epoch's order from its generator "
-            "before bcp followed it (the loader was prepared before bcp_accelerate was installed), and the generator "
-            "has moved on since, so a resume could not walk the same order; enable bcp (ACCELERATE_CHECKPOINT_ENGINE="
-            "bcp, or bcp_accelerate.enable) before accelerator.prepare()", key=DATALOADER_COMPONENT)
+    if order is None and resumed is None:
+        if drawing is not None and consumed and not finished:
+            follow_order(drawing)  # from its next epoch on
+            raise CheckpointError(
+                f"stateful dataloader {index}: its {type(drawing).__name__} drew this epoch's order from its generator "
+                "before bcp followed it (the loader was prepared before bcp_accelerate was installed), and the "
+                "generator has moved on since, so a resume could not walk the same order; enable bcp "
+                "(ACCELERATE_CHECKPOINT_ENGINE=bcp, or bcp_accelerate.enable) before accelerator.prepare()",
+                key=DATALOADER_COMPONENT)
+        return None  # an order bcp cannot rebuild (an iterable dataset, another sampler): its own state alone
     if resumed is not None:
         walk, consumed = resumed.walk, consumed * batch_size  # a resumed share is counted in samples
     elif dealt is not None:

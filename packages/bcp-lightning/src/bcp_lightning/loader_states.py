@@ -286,12 +286,14 @@ def _position(index: int, loader: Any, state: Any) -> dict[str, Any] | None:
         return None  # not a StatefulDataLoader's state
     walking, drawing = walking_sampler(loader), drawing_sampler(loader)
     order = _order(walking)
-    if order is None and drawing is not None and resumed_epoch_of(loader) is None and consumed and not finished:
-        raise bcp.CheckpointError(
-            f"train dataloader {index}: its {type(drawing).__name__} drew this epoch's order from its generator "
-            "before bcp followed it, and the generator has moved on since, so a resume could not walk the same "
-            "order; construct BCPCheckpointIO (or a bcp_lightning strategy) before the fit sets up its data",
-            key=COMPONENT)
+    if order is None and resumed_epoch_of(loader) is None:
+        if drawing is not None and consumed and not finished:
+            raise bcp.CheckpointError(
+                f"train dataloader {index}: its {type(drawing).__name__} drew this epoch's order from its generator "
+                "before bcp followed it, and the generator has moved on since, so a resume could not walk the same "
+                "order; construct BCPCheckpointIO (or a bcp_lightning strategy) before the fit sets up its data",
+                key=COMPONENT)
+        return None  # an order bcp cannot rebuild (an iterable dataset, another sampler): its own state alone
     epoch = getattr(walking, "epoch", None)
     saved = loader_position(loader, order, natural_walk(walking), consumed=consumed, finished=finished, epoch=epoch,
                             batch_size=batch_size, batch_drop_last=drop_last,
