@@ -11,9 +11,9 @@ save at the end of one is the uninterrupted run's next epoch); on 1, 3 and 4 pro
 once. The same from 4 processes to 3 and from 3 to 2.
 
 The defects this guards: another number of processes was refused unless the consumed batches divided
-into whole batches per process; accelerate does not restore a loader's epoch count, so a seedable
-loader resumed in epoch 2 walked epoch 0's order; a save at the end of an epoch restored a finished
-position (an empty next epoch) and a generator that had not drawn the next epoch's order."""
+into whole batches per process; with ``use_seedable_sampler`` a resume on the same number walked the
+seeded order while the uninterrupted run's first epoch had walked the user's sampler's draw
+(accelerate built the loader's first iterator before it swapped the seedable sampler in)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@
   is off; from the next epoch on the shard has its own back.
 - Read, not written: a ``DataLoaderShard``'s ``iteration`` (its epoch), the shard's
   ``num_processes``/``process_index``/``split_batches``, a ``SeedableRandomSampler``'s ``initial_seed``.
-  ``iteration`` is written too: accelerate's own load does not restore it, so a resume in epoch >= 1
-  would walk epoch 0's seeded order.
+  ``iteration`` is written too: accelerate's own load does not restore it, and a seedable sampler
+  seeds each epoch's order from it.
 
 Applied only to the accelerate versions in ``TESTED`` whose names are as expected (``unavailable()``
 says why not); ``tests/accelerate/test_accelerate_patch.py`` fails when a name moves.

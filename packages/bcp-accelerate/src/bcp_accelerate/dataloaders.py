@@ -7,9 +7,9 @@ Each process saves, per stateful prepared loader, the loader's ``state_dict()`` 
 epoch by ``use_seedable_sampler``, or drawn from its generator), the batches accelerate deals this
 process (every ``num_processes``-th of the order's batches) and how many its loop consumed.
 
-- On the same number of processes each loader gets its own state back, at its saved epoch (accelerate
-  does not restore a loader's epoch count, so a seeded order would restart at epoch 0) and, shuffled,
-  with the draw of the saved epoch replayed.
+- On the same number of processes each loader gets its own state back, at its saved epoch (accelerate's
+  own load does not restore a loader's count of epochs, from which a seedable sampler seeds each
+  epoch's order) and, shuffled, with the draw of the saved epoch replayed.
 - On another number, the samples not yet consumed are dealt to the processes, sample by sample, and
   each loader delivers its share of the rest of the epoch (the last batch short where the share is not
   whole; every process the same number of batches), then its own order again.
