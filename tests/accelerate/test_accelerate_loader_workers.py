@@ -27,8 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import bcp
 from accelerate_helpers import session
-from resumed_epochs import BATCH, BEFORE, SIZE, assert_every_sample_once, from_more_ranks_to_fewer, resume_on, \
-    resume_on_the_saving_ranks, uninterrupted_run
+from resumed_epochs import BATCH, BEFORE, SIZE, assert_continues, assert_rest_once, chained_runs
 
 pytest.importorskip("torchdata.stateful_dataloader")
 
@@ -81,27 +80,26 @@ def run_epochs(folder: str, epochs: int = 3, saves: tuple[tuple[int, int], ...] 
     return seen
 
 
-uninterrupted = uninterrupted_run(run_epochs)
+runs = chained_runs(run_epochs)
 
 
-def test_a_resume_on_the_same_number_of_processes_takes_the_uninterrupted_batches(uninterrupted):
-    folder, saved = uninterrupted
-    assert_every_sample_once(saved, SETUPS, range(3))
-    shuffled = saved[0]["shuffled"][0]
+def test_a_resume_on_the_same_number_of_processes_takes_the_uninterrupted_batches(runs):
+    shuffled = runs["uninterrupted"][0]["shuffled"][0]
     assert shuffled != sorted(shuffled)
-    assert saved[0]["seedable"][0] != saved[0]["seedable"][2]  # a seeded order per epoch
-    resume_on_the_saving_ranks(run_epochs, folder, saved, SETUPS)
+    assert runs["uninterrupted"][0]["seedable"][0] != runs["uninterrupted"][0]["seedable"][2]  # seeded per epoch
+    assert_continues(runs, SETUPS)
 
 
 @pytest.mark.parametrize("processes", [1, 3, 4])
-def test_every_sample_exactly_once_after_load_state_on_another_number_of_processes(uninterrupted, processes):
-    folder, saved = uninterrupted
-    resume_on(processes, run_epochs, folder, saved, SETUPS, 2 if processes == 3 else 0)
+def test_every_sample_exactly_once_after_load_state_on_another_number_of_processes(runs, processes):
+    assert_rest_once(runs, "uninterrupted", f"2 -> {processes}", SETUPS)
+    if processes == 3:
+        assert_rest_once(runs, "uninterrupted", "2 -> 3 in epoch 2", SETUPS, epoch=2)
 
 
 @pytest.mark.parametrize("saved_on, resumed_on", [(4, 3), (3, 2)])
-def test_every_sample_exactly_once_from_more_processes_to_fewer(tmp_path, saved_on, resumed_on):
-    from_more_ranks_to_fewer(run_epochs, str(tmp_path), saved_on, resumed_on, SETUPS)
+def test_every_sample_exactly_once_from_more_processes_to_fewer(runs, saved_on, resumed_on):
+    assert_rest_once(runs, f"saved on {saved_on}", f"{saved_on} -> {resumed_on}", SETUPS)
 
 
 def test_a_shuffled_loader_whose_draw_bcp_did_not_see_is_refused(tmp_path):

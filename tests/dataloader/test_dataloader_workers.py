@@ -26,8 +26,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import bcp
 import spawned_ranks
-from resumed_epochs import BATCH, BEFORE, SIZE, assert_every_sample_once, from_more_ranks_to_fewer, resume_on, \
-    resume_on_the_saving_ranks, uninterrupted_run
+from resumed_epochs import BATCH, BEFORE, SIZE, assert_continues, assert_rest_once, chained_runs
 
 stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
 
@@ -80,30 +79,28 @@ def run_epochs(folder: str, epochs: int = 3, saves: tuple = ((0, BEFORE),), resu
     return out
 
 
-uninterrupted = uninterrupted_run(run_epochs)
+runs = chained_runs(run_epochs)
 
 
-def test_a_resume_on_the_same_dp_size_continues_with_the_uninterrupted_batches(uninterrupted):
-    folder, saved = uninterrupted
-    assert_every_sample_once(saved, KINDS, range(3))
-    resume_on_the_saving_ranks(run_epochs, folder, saved, KINDS)
+def test_a_resume_on_the_same_dp_size_continues_with_the_uninterrupted_batches(runs):
+    assert_continues(runs, KINDS)
 
 
 @pytest.mark.parametrize("dp_size", [1, 3, 4])
-def test_every_sample_exactly_once_after_a_resume_on_another_dp_size(uninterrupted, dp_size):
-    folder, saved = uninterrupted
-    for epoch in (0, 2) if dp_size == 3 else (0,):
-        resume_on(dp_size, run_epochs, folder, saved, KINDS, epoch)
+def test_every_sample_exactly_once_after_a_resume_on_another_dp_size(runs, dp_size):
+    assert_rest_once(runs, "uninterrupted", f"2 -> {dp_size}", KINDS)
+    if dp_size == 3:
+        assert_rest_once(runs, "uninterrupted", "2 -> 3 in epoch 2", KINDS, epoch=2)
 
 
 @pytest.mark.parametrize("saved_on, resumed_on", [(4, 3), (3, 2)])
-def test_every_sample_exactly_once_from_more_ranks_to_fewer(tmp_path, saved_on, resumed_on):
-    from_more_ranks_to_fewer(run_epochs, str(tmp_path), saved_on, resumed_on, KINDS)
+def test_every_sample_exactly_once_from_more_ranks_to_fewer(runs, saved_on, resumed_on):
+    assert_rest_once(runs, f"saved on {saved_on}", f"{saved_on} -> {resumed_on}", KINDS)
 
 
 def test_ranks_that_consumed_different_numbers_of_batches_resume_only_on_their_own_number(tmp_path):
     """Rank 1 one batch ahead of rank 0: what they consumed is no prefix of the order, so it cannot be
-    dealt to another number of ranks (refused, naming the counts); on 2 ranks each continues its own."""
+    dealt to another number of ranks (refused, naming the counts)."""
     kind = "StatefulDataLoader+DistributedSampler"
     path = str(tmp_path / "ckpt")
     spawned_ranks.run(2, save_after, path, kind)

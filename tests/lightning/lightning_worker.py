@@ -376,7 +376,8 @@ def fit_epochs(dirpath: str, trainer: str, shuffle: bool, sampler: str = "lightn
     or a single-device Trainer with BCPCheckpointIO), saving after the steps ``save_at``; per epoch,
     the ids this rank trained on. ``seed``: every rank's global RNG seeded alike (a shuffled loader's
     sampler seeds its generator from it), or ``"per_rank"``. ``gather=False`` saves through the plugin
-    under Lightning's DDP as a bcp_lightning that did not gather the ranks' loader positions did."""
+    under Lightning's DDP as a bcp_lightning that did not gather the ranks' loader positions did (for
+    the rest of the process)."""
     if not gather:
         from bcp_lightning import loader_states
 
