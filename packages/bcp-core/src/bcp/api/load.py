@@ -147,6 +147,7 @@ def _load(source: ReadSource, want: Want, options: LoadOptions, coord: Coordinat
           monitor: Monitor) -> LoadResult:
     stats = monitor.stats
     monitor.begin(source.display)
+    runtime().reuse.forget()  # the load writes live tensors without moving their version counters
     with stats.phase("metadata"):
         checkpoint = source.open(coord, options)
     monitor.location, monitor.generation = checkpoint.location, checkpoint.generation

@@ -80,6 +80,16 @@ class SaveOptions(_CommonOptions):
     step: int | None = None
     """The training step this save is taken at (a non-negative integer), recorded in the generation's
     manifest and listed by ``bcp inspect``; the integrations set it. Only the coordinating rank's is kept."""
+    incremental: bool = False
+    """Write only what changed: a box of a tensor whose bytes the newest committed generation at the
+    path stores already is not written again, the new generation refers to those bytes (format
+    version 3; every generation still loads, verifies and reshards on its own). How bcp decides
+    "unchanged": ``docs/incremental.md``."""
+    trust_frozen: bool = True
+    """With ``incremental``: a frozen parameter (``requires_grad=False``) whose memory and version
+    counter are as when this process saved it is not read (one 1 MiB chunk of it is checked). False:
+    every piece's bytes are checksummed, for code that writes frozen parameters behind torch's back
+    (through ``.data`` or NumPy)."""
 
     def __post_init__(self) -> None:
         if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0):

@@ -22,6 +22,8 @@ class PhaseStats:
     bytes: int = 0
     #: Of ``bytes``, those of values (the rest are tensors' bytes).
     value_bytes: int = 0
+    #: Incremental save: bytes of this rank's pieces not written because an earlier generation stores them.
+    reused_bytes: int = 0
     #: Load with ``read_once``: bytes this rank received from other ranks instead of reading them.
     received_bytes: int = 0
     #: Each phase as run: (name, start, end) in seconds since the epoch, for timelines across ranks.

@@ -37,6 +37,7 @@ from bcp.engine.load_staging import LoadStagingPool
 from bcp.engine.shared_memory import shared_memory_available
 from bcp.engine.staging import HostBufferPool
 from bcp.planning.plan_cache import PlanCache
+from bcp.planning.reuse import ReuseMemory
 
 #: After a Ctrl-C at exit, how long the abandoned saves get to stop and remove their files.
 ABANDON_WAIT_S = 30.0
@@ -62,6 +63,8 @@ class Runtime:
         self.background = BackgroundLane()
         #: The last load's staging buffers, which the next load reuses.
         self.load_staging = LoadStagingPool()
+        #: What recent saves stored and how they saw each tensor: the base of incremental saves.
+        self.reuse = ReuseMemory()
 
     def close(self) -> None:
         """Wait for every pending save, then release the lane's thread, the cached plans, the host
@@ -71,6 +74,7 @@ class Runtime:
         self.plan_cache.clear()
         self.load_staging.clear()
         self.chunks.clear()
+        self.reuse.forget()
 
 
 _current = Runtime()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -29,7 +30,7 @@ from bcp.api.runtime import Runtime, runtime
 from bcp.api.targets import CheckpointTarget
 from bcp.api.writing import commit_generation, write_share
 from bcp.coord import Coordinator, as_coordinator
-from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
+from bcp.coord.consensus import Outcome, all_agree, broadcast_from_root, gather_then_reply
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import crc_of
 from bcp.engine.chunked_copies import ChunkedCopies
@@ -43,16 +44,19 @@ from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.piece import Piece
 from bcp.layout.shards import is_tensor_value
 from bcp.layout.write_plan import RankAssignment, ValueWrite
+from bcp.layout.references import generation_dir
 from bcp.layout.write_report import RankWrites
 from bcp.planning import plain_tensors
 from bcp.planning.assembly import assemble_manifest
 from bcp.planning.pieces import pieces_of, tensor_meta
 from bcp.planning.plain_tensors import PlainTensor
 from bcp.planning.plan_cache import CachedPlan
+from bcp.planning.reuse import FrozenParameters, Remembered, Reuse, decide, stored_boxes
 from bcp.planning.save_plan import PlanColumns, global_plan, structure_key, writes_of
 from bcp.planning.shared_values import digests, encoded_value, values_to_write
 from bcp.storage import Storage
 from bcp.version import __version__
+from torch import nn
 
 logger = logging.getLogger("bcp")
 
@@ -123,6 +127,8 @@ class _Collected:
     framework: str
     #: The rank's word on its dataloader parts (``DataloaderState.declaration``), None without one.
     dataloader: list[int] | None
+    #: An incremental save's frozen parameters (``planning.reuse``), None where they are not trusted.
+    frozen: FrozenParameters | None = None
 
     def with_entries(self, entries: set[str]) -> "_Share":
         """Everything this rank plans once the plain tensors in ``entries`` are tensor entries."""
@@ -155,23 +161,36 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
           coord: Coordinator, rt: Runtime, stats: PhaseStats, monitor: Monitor, commit: Commit) -> SaveHandle:
     monitor.begin(path)
     monitor.location = location = locate()
+    epoch = rt.reuse.epoch  # before the tensors are seen: a load from now on makes this save's view stale
     with stats.phase("collect"):
         collected = Outcome.of(lambda: _collect(state, options, location.display))
     with stats.phase("plan"):
         with stats.phase("plan.exchange"):
-            generation, plan, share, value_digests = _agree_on_plan(coord, location, collected, rt,
-                                                                    cache=not options.verify_replicas)
+            generation, plan, share, value_digests, base = _agree_on_plan(
+                coord, location, collected, rt, not options.verify_replicas, options.incremental)
         monitor.generation = generation
         with stats.phase("plan.writes"):  # identical values are written once: hashing them takes time
             pieces = writes_of(share.pieces, plan.writes, share.crcs)
+            place = (location.target, coord.cache_key())
+            boxes = _base_boxes(coord, location, rt, place, base, {p.name for p in share.pieces})
+            reuse = decide(pieces, share.pieces, boxes, collected.value.frozen, generation, DEFAULT_CHECKSUM_CHUNK) \
+                if options.incremental else None
             manifest_of = _manifest_builder(generation, collected.value.framework, plan, options.step)
             values = values_to_write(coord.rank, share.values, value_digests)
+    on_report = None
+    if reuse is not None:
+        pieces = reuse.written
+        stats.reused_bytes = reuse.reused_nbytes
+
+        def on_report(report: RankWrites) -> None:
+            reuse.complete(report)
+            rt.reuse.remember(place, generation, reuse.remembered(report, generation_dir(generation)), epoch)
     tensors = [piece.tensor() for piece in pieces]
     copies = ChunkedCopies(rt.chunks, tensors)  # here: device copies follow the work queued so far
     if not options.async_save:
         writer = GenerationWriter(location, generation, threads=options.io_threads, copies=copies)
-        commit(coord, writer, write_share(coord.rank, writer, pieces, values, stats, monitor=monitor), manifest_of,
-               stats, monitor)
+        commit(coord, writer, write_share(coord.rank, writer, pieces, values, stats, monitor=monitor,
+                                          on_report=on_report), manifest_of, stats, monitor)
         return SaveHandle(location.display, generation, stats, monitor=monitor)
 
     with stats.phase("stage"):  # everything the training thread does before it gets control back
@@ -195,7 +214,8 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
         # "queue": the wait for the lane's threads, long where an earlier save still writes or commits
         stats.add("queue", handed_over, time.time())
         try:
-            return write_share(background_coord.rank, writer, pieces, values, stats, monitor=monitor)
+            return write_share(background_coord.rank, writer, pieces, values, stats, monitor=monitor,
+                               on_report=on_report)
         finally:  # durable: the next save may stage into it, whatever the barrier does
             rt.buffers.release(buffer, copied_from=copied_from)
 
@@ -255,8 +275,11 @@ def _collected(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
     crcs = [crc_of(byte_view(host_contiguous(p.tensor))) for p in pieces] if options.verify_replicas else None
     loader = state.get(DATALOADER)
     declared = tensors + [(t.name, t.tensor.dtype, tuple(t.tensor.shape)) for t in plain]
+    frozen = FrozenParameters.of(bound.obj for _, parts in collected.modules for bound in parts
+                                 if isinstance(bound.obj, nn.Module)) if options.incremental and options.trust_frozen \
+        else None
     return _Collected(tensors, pieces, values, plain, crcs, structure_key(declared, pieces), collected.framework,
-                      loader.declaration() if isinstance(loader, DataloaderState) else None)
+                      loader.declaration() if isinstance(loader, DataloaderState) else None, frozen)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +288,9 @@ class _Proposal:
     tensors it was made), (rank 0) the generation, a digest of the checkpoint it names and what it
     declares of its dataloader parts (the last two checked by every rank before anything is
     written), a digest of each of its per-rank values (identical ones are written once,
-    ``planning.shared_values``) and of each of its plain tensors (``planning.plain_tensors``)."""
+    ``planning.shared_values``) and of each of its plain tensors (``planning.plain_tensors``). For
+    an incremental save: (rank 0) the base generation and whether its claim was this process's, and
+    the generations this rank remembers saving at the path (``planning.reuse.ReuseMemory``)."""
 
     cache_hit: bool
     cached_kinds: int | None
@@ -274,24 +299,50 @@ class _Proposal:
     dataloader: list[int] | None
     values: list[list[Any]]
     plain: list[list[Any]]
+    base: int | None = None
+    continuous: bool = False
+    remembered: list[int] | None = None
 
     def to_wire(self) -> list[Any]:
         return [self.cache_hit, self.cached_kinds, self.generation, self.target_digest, self.dataloader, self.values,
-                self.plain]
+                self.plain, self.base, self.continuous, self.remembered]
 
     @staticmethod
     def from_wire(wire: list[Any]) -> "_Proposal":
         return _Proposal(*wire)
 
 
-def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, rt: Runtime,
-                   cache: bool) -> tuple[int, CachedPlan, _Share, list[list[list[Any]]]]:
-    """The generation to write, this rank's share of the global plan (and what it plans), and every
-    rank's value digests. Which plain tensors are tensor entries follows from every rank's digests
-    of them. When every rank's structure is unchanged since the previous save, and its plain
-    tensors are of the same kinds, the cached global plan is reused after one small exchange (every
-    rank's hit flag, and rank 0's generation, to every rank); otherwise local plans are gathered
-    and planned again."""
+@dataclass(frozen=True, slots=True)
+class _Base:
+    """An incremental save's base: the newest committed generation at the path when the save
+    claimed its own (None: there is none, or the save is not incremental), and whether every rank
+    remembers what it stored there (else the base's manifest says)."""
+
+    generation: int | None = None
+    remembered: bool = False
+
+
+def _claim(location: Location, rt: Runtime, incremental: bool) -> tuple[int, int | None, bool]:
+    """(Rank 0) the generation claimed, the base of an incremental save, and whether the base's
+    claim is one this process made (its saves' memory is then the base's)."""
+    base = location.newest_committed() if incremental else None
+    token = secrets.token_hex(8)
+    generation = location.claim_next_generation(base=base, token=token)
+    if not incremental:
+        return generation, None, False
+    rt.reuse.claimed(location.target, generation, token)
+    mine = rt.reuse.claim_token(location.target, base) if base is not None else None
+    return generation, base, mine is not None and mine == location.claim_token(base)
+
+
+def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, rt: Runtime, cache: bool,
+                   incremental: bool) -> tuple[int, CachedPlan, _Share, list[list[list[Any]]], _Base]:
+    """The generation to write, this rank's share of the global plan (and what it plans), every
+    rank's value digests and an incremental save's base. Which plain tensors are tensor entries
+    follows from every rank's digests of them. When every rank's structure is unchanged since the
+    previous save, and its plain tensors are of the same kinds, the cached global plan is reused
+    after one small exchange (every rank's hit flag, and rank 0's generation, to every rank);
+    otherwise local plans are gathered and planned again."""
     key = coord.cache_key()
     structure = collected.value.structure if cache and collected.error is None else None
     hit = rt.plan_cache.get(key, structure) if structure is not None else None
@@ -300,10 +351,11 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
     def propose() -> list[Any]:
         if collected.error is not None:
             raise collected.error
-        return _Proposal(hit is not None, hit.kinds if hit is not None else None,
-                         location.claim_next_generation() if coord.rank == 0 else None,
+        generation, base, continuous = _claim(location, rt, incremental) if coord.rank == 0 else (None, None, False)
+        return _Proposal(hit is not None, hit.kinds if hit is not None else None, generation,
                          _digest(location.target), collected.value.dataloader,
-                         digests(collected.value.values), plain_tensors.digests(collected.value.plain)).to_wire()
+                         digests(collected.value.values), plain_tensors.digests(collected.value.plain),
+                         base, continuous, rt.reuse.generations((location.target, key))).to_wire()
 
     proposals = [_Proposal.from_wire(wire) for wire in all_agree(coord, Outcome.of(propose), what)]
     try:  # every rank holds every proposal, so every rank raises the same error here
@@ -312,14 +364,15 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
         check_writers([proposal.dataloader for proposal in proposals])
     except CheckpointError as exc:
         raise exc.at(location.display)
-    generation = proposals[0].generation
+    generation, base = proposals[0].generation, proposals[0].base
+    base = _Base(base, base is not None and proposals[0].continuous and all(base in p.remembered for p in proposals))
     entries = plain_tensors.same_everywhere([proposal.plain for proposal in proposals])
     kinds = plain_tensors.kinds_digest(entries)
     value_digests = [proposal.values + [pair for pair in proposal.plain if pair[0] not in entries]
                      for proposal in proposals]
     share = Outcome.of(lambda: collected.value.with_entries(entries))
     if share.error is None and all(proposal.cache_hit and proposal.cached_kinds == kinds for proposal in proposals):
-        return generation, hit, share.value, value_digests
+        return generation, hit, share.value, value_digests, base
     kept: dict[str, PlanColumns] = {}
 
     def plan_globally(plans: list[Any]) -> list[Any]:
@@ -331,7 +384,43 @@ def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, r
     planned = CachedPlan(structure, RankAssignment.from_wire(wire), kept.get("columns"), kinds)
     if cache:
         rt.plan_cache.put(key, planned)
-    return generation, planned, share.value, value_digests
+    return generation, planned, share.value, value_digests, base
+
+
+def _base_boxes(coord: Coordinator, location: Location, rt: Runtime, place: Any, base: _Base,
+                names: set[str]) -> dict[Any, Remembered]:
+    """The boxes of the tensors ``names`` that the base stores: from this process's memory of the
+    save that wrote it where every rank has one, else (collective) from its manifest."""
+    if base.generation is None:
+        return {}
+    if base.remembered:
+        return rt.reuse.recalled(place, base.generation) or {}
+    manifest = _base_manifest(coord, location, base.generation)
+    return stored_boxes(manifest, names) if manifest is not None else {}
+
+
+def _base_manifest(coord: Coordinator, location: Location, generation: int) -> Manifest | None:
+    """Collective: the base's manifest, read by rank 0 and sent to every rank, as a load opens it.
+    None where it cannot be read (removed meanwhile, damaged): the save then writes everything."""
+    where = f"{location.display}/{generation_dir(generation)}"
+
+    def read() -> list[bytes] | None:
+        try:
+            return list(location.read_manifest_files(generation))
+        except CheckpointError as exc:
+            logger.warning("bcp: the incremental save cannot read its base %s, so it writes everything: %s",
+                           where, exc)
+            return None
+
+    files = broadcast_from_root(coord, Outcome.of(read) if coord.rank == 0 else Outcome(),
+                                f"reading the base of the incremental save of {location.display}")
+    if files is None:
+        return None
+    try:
+        return Manifest.decode(files[0], files[1], path=where)
+    except CheckpointError as exc:  # the same on every rank: every rank writes everything
+        logger.warning("bcp: the base of the incremental save, %s, is damaged, so it writes everything: %s", where, exc)
+        return None
 
 
 def _digest(target: str) -> int:

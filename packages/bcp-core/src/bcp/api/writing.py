@@ -38,12 +38,20 @@ def write_generation(coord: Coordinator, writer: GenerationWriter, pieces: Seque
 
 def write_share(rank: int, writer: GenerationWriter, pieces: Sequence[PieceWrite], values: Sequence[ValueWrite],
                 stats: PhaseStats, on_written: Callable[[int], None] | None = None,
-                monitor: Monitor | None = None) -> Outcome:
+                monitor: Monitor | None = None, on_report: Callable[[RankWrites], None] | None = None) -> Outcome:
     """Not collective. Write this rank's share; once it returns the data is durable (and staged
     buffers are free). Returns this rank's report for :func:`commit_generation`: where everything
-    lies, or the error that stopped the writes (reported to every rank there, not raised here)."""
+    lies, or the error that stopped the writes (reported to every rank there, not raised here).
+    ``on_report`` completes the report before it leaves (an incremental save adds the pieces it
+    did not write)."""
+    def write() -> RankWrites:
+        report = writer.write_rank(rank, pieces, values, on_written)
+        if on_report is not None:
+            on_report(report)
+        return report
+
     with stats.phase("write"):
-        written = Outcome.of(lambda: writer.write_rank(rank, pieces, values, on_written))
+        written = Outcome.of(write)
     stats.bytes = written.value.nbytes if written.error is None else 0
     stats.value_bytes = sum(value.nbytes for value in written.value.values) if written.error is None else 0
     return Outcome([written.value.to_wire(), monitor.rank_wire() if monitor else None]

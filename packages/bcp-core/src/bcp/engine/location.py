@@ -5,7 +5,8 @@ new generation and the newest committed one is the checkpoint. A writer first cl
 (``CLAIM``, create-if-absent), so two writers never share one; it is committed once its
 ``COMMITTED`` marker exists (created last, create-if-absent, no rename needed). After a commit the
 newest ``keep_generations`` committed generations stay, so a reader of the previous one is not
-broken by a concurrent save.
+broken by a concurrent save; so does every generation whose data files a kept generation lists
+(an incremental save's, ``layout.references``), and every one a save in progress may refer to.
 
 A save that fails or is abandoned leaves nothing: its generation is removed whole once every rank
 has stopped writing into it. Where that is unknown (a rank died or hung), its files are removed and
@@ -16,8 +17,10 @@ that takes the same number; the next commit removes it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import secrets
 import socket
 import time
 from dataclasses import dataclass
@@ -25,8 +28,11 @@ from dataclasses import dataclass
 from bcp.engine.checksum import crc_of
 from bcp.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
                         FormatVersionError, StorageError)
-from bcp.layout.manifest import FORMAT_NAME, MARKER_VERSION, SHARD_TABLE, Manifest
+from bcp.layout.manifest import EARLIER_FILES_VERSION, FORMAT_NAME, MARKER_VERSION, SHARD_TABLE, Manifest
+from bcp.layout.references import generation_dir, referred_generations, split_reference
 from bcp.storage.base import Storage
+
+logger = logging.getLogger("bcp")
 
 MANIFEST = "manifest.json"
 COMMIT_MARKER = "COMMITTED"
@@ -44,10 +50,6 @@ MAX_MANIFEST_BYTES = 256 << 20
 _GENERATION = re.compile(r"gen-(\d{8})")
 _DATA_FILE = re.compile(rf"{DATA_DIR}/(\d{{5}})-\d{{2}}\.bin")
 _OPEN_TRIES = 3  # a generation removed while being opened is retried on the newest committed one
-
-
-def generation_dir(generation: int) -> str:
-    return f"gen-{generation:08d}"
 
 
 def data_file_name(rank: int, index: int) -> str:
@@ -87,12 +89,22 @@ class Location:
     def is_committed(self, generation: int) -> bool:
         return self.storage.exists(self.name(generation, COMMIT_MARKER))
 
-    def claim_next_generation(self) -> int:
+    def data_name(self, generation: int, file: str) -> str:
+        """The storage name of data file ``file`` listed by ``generation``'s manifest: in that
+        generation's folder, or in the folder of the earlier generation it names
+        (``gen-<n>/...``, which a manifest lists only from format version 3, ``layout.references``)."""
+        return f"{self.prefix}{file}" if split_reference(file) is not None else self.name(generation, file)
+
+    def claim_next_generation(self, *, base: int | None = None, token: str | None = None) -> int:
         """Claim the generation after the newest on storage (create-if-absent of its ``CLAIM``; on
-        a race, the next one): the caller alone writes into the generation returned."""
+        a race, the next one): the caller alone writes into the generation returned. ``base`` is
+        the generation whose stored bytes the save may refer to (retention keeps it, and what it
+        refers to, while the claim is in progress); ``token`` tells the claim apart from any other
+        (:meth:`claim_token`)."""
         existing = self.generations()
         generation = existing[-1] + 1 if existing else 1
-        claim = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "unix": time.time()}).encode()
+        claim = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "unix": time.time(),
+                            "token": token or secrets.token_hex(8), **({} if base is None else {"base": base})}).encode()
         try:
             while not self.storage.put_if_absent(self.name(generation, CLAIM), claim):
                 generation += 1
@@ -100,6 +112,15 @@ class Location:
             raise StorageError(f"cannot claim generation {generation} (creating {generation_dir(generation)}/"
                                f"{CLAIM}): {exc.strerror or exc}", path=self.display) from exc
         return generation
+
+    def claim_token(self, generation: int) -> str | None:
+        """The token of ``generation``'s claim (None where it has none or cannot be read)."""
+        token = self._claim(generation).get("token")
+        return token if isinstance(token, str) else None
+
+    def newest_committed(self) -> int | None:
+        """The newest committed generation, None where there is none."""
+        return next((g for g in reversed(self.generations()) if self.is_committed(g)), None)
 
     def latest_committed(self) -> int:
         """The newest committed generation; a clear error when there is none."""
@@ -120,7 +141,14 @@ class Location:
 
     def commit(self, generation: int, manifest: Manifest) -> None:
         """Write the shard table and the manifest, then the marker that makes the generation visible.
-        The generation must still hold its claim: another writer's retention may have removed it."""
+        The generation must still hold its claim (another writer's retention may have removed it),
+        and every earlier generation whose files it lists must still be committed."""
+        for earlier in sorted(manifest.earlier_generations()):
+            if not self.is_committed(earlier):
+                raise CheckpointNotCommittedError(
+                    f"generation {generation} refers to data files of {generation_dir(earlier)}, which is no "
+                    "longer committed (removed by something other than bcp's retention); nothing was committed",
+                    path=self.display)
         self.commit_encoded(generation, *manifest.encode())
 
     def commit_encoded(self, generation: int, manifest_bytes: bytes, table_bytes: bytes) -> None:
@@ -184,19 +212,80 @@ class Location:
                                          path=where) from None
         return data, table
 
-    def apply_retention(self, generation: int) -> int | None:
+    def apply_retention(self, generation: int, earlier: set[int] | None = None) -> int | None:
         """Retention once ``generation`` is committed: the newest ``keep_generations`` committed
         generations up to it stay, and so does every newer generation (another writer's save in
-        progress); generations older than the oldest one kept are removed, and so are the older
-        remains of failed saves (:meth:`discard`). Returns that oldest generation kept (None if
-        none is committed)."""
+        progress); generations older than the oldest one kept are removed, except those whose data
+        files a kept generation lists or a save in progress may refer to (:meth:`needed_earlier`),
+        and so are the older remains of failed saves (:meth:`discard`).
+        ``earlier``: the generations ``generation``'s manifest lists files of, where known. Returns the
+        oldest generation kept (None if none is committed)."""
         generations = self.generations()
         committed = [g for g in generations if g <= generation and self.is_committed(g)]
         kept = committed[-max(1, self.keep_generations):]
-        for older in generations:
-            if kept and older < kept[0] or (older < generation and older not in committed and self.is_discarded(older)):
-                self.storage.delete_tree(f"{self.prefix}{generation_dir(older)}")
-        return kept[0] if kept else None
+        if not kept:
+            return None
+        discarded = [g for g in generations if g < generation and g not in committed and self.is_discarded(g)]
+        for g in discarded:
+            self.storage.delete_tree(f"{self.prefix}{generation_dir(g)}")
+        older = [g for g in generations if g < kept[0] and g not in discarded]
+        if older:
+            in_progress = [g for g in generations
+                           if g > kept[0] and g not in kept and g not in discarded and not self.is_committed(g)]
+            needed = self.needed_earlier(kept, in_progress, {generation: earlier} if earlier is not None else {})
+            for g in older if needed is not None else ():
+                if g not in needed:
+                    self.storage.delete_tree(f"{self.prefix}{generation_dir(g)}")
+        return kept[0]
+
+    def needed_earlier(self, kept: list[int], in_progress: list[int],
+                       known: dict[int, set[int]]) -> set[int] | None:
+        """The generations whose data files the ``kept`` generations list (``known[g]`` where the
+        caller has it, else read from the manifest), and those a save in progress may refer to: the
+        base its claim names and every generation that one lists. None where a manifest that may
+        list some cannot be read: then nothing older may be removed."""
+        needed: set[int] = set()
+        for generation in kept:
+            found = known[generation] if generation in known else self.earlier_of(generation)
+            if found is None:
+                return None
+            needed |= found
+        for generation in in_progress:
+            base = self._claim(generation).get("base")
+            if type(base) is int and base > 0:
+                found = self.earlier_of(base)
+                if found is None:
+                    return None
+                needed |= {base} | found
+        return needed
+
+    def earlier_of(self, generation: int) -> set[int] | None:
+        """The earlier generations whose data files ``generation``'s manifest lists. A manifest that
+        is missing or is not one lists none (that generation cannot be loaded, so it needs nothing);
+        None where it cannot be read now (retention then removes nothing it may need)."""
+        try:
+            if self.storage.size(self.name(generation, MANIFEST)) > MAX_MANIFEST_BYTES:
+                return set()
+            doc = json.loads(self.storage.read_bytes(self.name(generation, MANIFEST)))
+            version = doc.get("version")
+            files = doc.get("files") if type(version) is int and version >= EARLIER_FILES_VERSION else []
+            return {g for g in referred_generations(f for f in files if isinstance(f, str)) if g < generation}
+        except (FileNotFoundError, ValueError, TypeError, AttributeError, RecursionError):
+            return set()
+        except OSError as exc:
+            logger.warning("bcp: cannot read the manifest of %s/%s (%s): retention keeps every older generation",
+                           self.display, generation_dir(generation), exc)
+            return None
+
+    def _claim(self, generation: int) -> dict:
+        """``generation``'s claim (empty where there is none, or it is not a claim)."""
+        try:
+            if self.storage.size(self.name(generation, CLAIM)) > MAX_MARKER_BYTES:
+                return {}
+            claim = json.loads(self.storage.read_bytes(self.name(generation, CLAIM)))
+        except (OSError, ValueError, RecursionError):
+            return {}
+        return claim if isinstance(claim, dict) else {}
 
     def discard(self, generation: int, every_writer_stopped: bool = False) -> None:
         """Best effort after a failed save: remove ``generation`` unless it is committed. With

@@ -24,6 +24,7 @@ from bcp.engine.verification import ChunkVerifier
 from bcp.errors import CorruptCheckpointError, StorageError
 from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry
 from bcp.layout.read_op import ReadOp
+from bcp.layout.references import generation_dir, referred_generation
 from bcp.layout.values import Resolve, decode_value
 from bcp.storage.range_reads import ViewReads
 
@@ -38,12 +39,13 @@ class ShardReader:
         self.generation = generation
         self.manifest = manifest
         self.verify = verify
-        self.display = f"{location.display}/gen-{generation:08d}"
+        self.display = f"{location.display}/{generation_dir(generation)}"
         self.bytes_read = 0
         #: Of ``bytes_read``, those of values' records.
         self.value_bytes_read = 0
         self._lock = threading.Lock()
         self._sizes: dict[int, int] = {}
+        self._earlier_checked: set[int] = set()
         self._planner = SegmentPlanner(manifest.files, manifest.checksum_chunk, verify, self.display)
         self._verifier = ChunkVerifier(manifest.files, manifest.checksum_chunk, self.display)
 
@@ -172,7 +174,7 @@ class ShardReader:
         """``read(name)`` of the stored file of ``where``, its failures as the checkpoint's errors."""
         file = self.manifest.files[where.file]
         try:
-            return read(self.location.name(self.generation, file))
+            return read(self._stored_name(file, key))
         except FileNotFoundError:
             raise CorruptCheckpointError(self._missing(file), path=self.display, key=key) from None
         except EOFError:
@@ -204,7 +206,7 @@ class ShardReader:
             return known
         file = self.manifest.files[file_index]
         try:
-            size = self.location.storage.size(self.location.name(self.generation, file))
+            size = self.location.storage.size(self._stored_name(file, key))
         except FileNotFoundError:
             raise CorruptCheckpointError(self._missing(file), path=self.display, key=key) from None
         except OSError as exc:
@@ -213,6 +215,20 @@ class ShardReader:
         with self._lock:
             self._sizes[file_index] = size
         return size
+
+    def _stored_name(self, file: str, key: str) -> str:
+        """The storage name of data file ``file``. A file of an earlier generation (format version
+        3) is read only while that generation is committed: checked once per generation."""
+        earlier = referred_generation(file)
+        if earlier is not None and earlier not in self._earlier_checked:
+            if not self.location.is_committed(earlier):
+                raise CorruptCheckpointError(
+                    f"data file {file} lies in {generation_dir(earlier)}, which this generation refers to, but "
+                    f"that generation is {'not committed' if earlier in self.location.generations() else 'gone'}",
+                    path=self.display, key=key)
+            with self._lock:
+                self._earlier_checked.add(earlier)
+        return self.location.data_name(self.generation, file)
 
     def _missing(self, file: str) -> str:
         """Why a data file is not there: its whole generation was removed (a newer save's retention),

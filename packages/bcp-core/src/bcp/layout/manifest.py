@@ -17,14 +17,18 @@ from crc32c import crc32c
 
 from bcp.errors import CorruptCheckpointError, FormatVersionError
 from bcp.layout.dtypes import dtype_from_name, itemsize
+from bcp.layout.references import referred_generations, split_reference
 from bcp.layout.shard_table import ByteRange, ShardEntry, ShardTable
 
 FORMAT_NAME = "bcp"
 SHARD_TABLE = "shard_table.bin"
 #: The newest format version. Version 2 adds references from value records to tensors saved beside
-#: them (``layout.values``); a checkpoint without any is written as version 1, which every bcp reads.
-FORMAT_VERSION = 2
-SUPPORTED_VERSIONS = (1, 2)
+#: them (``layout.values``), version 3 data files of earlier generations (``layout.references``); a
+#: checkpoint is written in the oldest version that holds what it uses (:func:`format_version`).
+FORMAT_VERSION = 3
+SUPPORTED_VERSIONS = (1, 2, 3)
+#: The first version whose manifests may list data files of earlier generations.
+EARLIER_FILES_VERSION = 3
 #: The commit marker's own format has one version.
 MARKER_VERSION = 1
 CHECKSUM_ALGORITHM = "crc32c"
@@ -91,9 +95,10 @@ class ObjectEntry:
         return component_of(self.name)
 
 
-def format_version(refs: bool) -> int:
-    """The oldest version that holds what a checkpoint uses: 2 where a value record refers to tensors."""
-    return 2 if refs else 1
+def format_version(refs: bool, earlier_files: bool = False) -> int:
+    """The oldest version that holds what a checkpoint uses: 3 where it lists data files of earlier
+    generations, 2 where a value record refers to tensors, else 1."""
+    return EARLIER_FILES_VERSION if earlier_files else 2 if refs else 1
 
 
 @dataclass(slots=True)
@@ -120,6 +125,10 @@ class Manifest:
                 return head
             head = head.rpartition("/")[0]
         return None
+
+    def earlier_generations(self) -> set[int]:
+        """The earlier generations whose data files this generation's shards and records lie in."""
+        return referred_generations(self.files)
 
     def components(self) -> set[str]:
         return {e.component for e in self.tensors.values()} | {e.component for e in self.objects.values()}
@@ -215,16 +224,15 @@ class _ManifestParser:
         checksum = self.dict_of(doc, "checksum")
         if checksum.get("algorithm") != CHECKSUM_ALGORITHM:
             raise self.fail(f"unknown checksum algorithm {checksum.get('algorithm')!r}")
-        files = doc.get("files")
-        if not isinstance(files, list) or not all(isinstance(f, str) and _safe_relpath(f) for f in files):
-            raise self.fail("'files' must be a list of relative paths inside the checkpoint")
+        generation = self.int_of(doc, "generation", minimum=0)
+        files = self.files(doc.get("files"), version, generation)
         self.nfiles = len(files)
         self.chunk = self.int_of(checksum, "chunk_bytes", minimum=1, maximum=MAX_CHECKSUM_CHUNK)
         world_size = self.int_of(doc, "world_size", minimum=1)
         table = self.table(self.dict_of(doc, "shard_table"), table_bytes)
         return Manifest(
             version=version,
-            generation=self.int_of(doc, "generation", minimum=0),
+            generation=generation,
             world_size=world_size,
             framework=self.str_of(doc, "framework"),
             files=files,
@@ -236,6 +244,22 @@ class _ManifestParser:
             writer=self.optional(doc, "writer", (str,), ""),
             step=self.optional_step(doc),
         )
+
+    def files(self, files: Any, version: int, generation: int) -> list[str]:
+        """Relative paths inside the generation's folder; from version 3 also files of an earlier
+        generation of the same checkpoint (``gen-<8 digits>/<relative path>``, ``layout.references``).
+        A name beginning ``gen-`` is nothing else: in earlier versions no bcp wrote one."""
+        if not isinstance(files, list) or not all(isinstance(f, str) and _safe_relpath(f) for f in files):
+            raise self.fail("'files' must be a list of relative paths inside the checkpoint")
+        for name in files:
+            if not name.startswith("gen-"):
+                continue
+            earlier = split_reference(name) if version >= EARLIER_FILES_VERSION else None
+            if earlier is None or not 1 <= earlier[0] < generation or earlier[1].startswith("gen-"):
+                raise self.fail(f"data file {name!r} is not a file of an earlier generation of this checkpoint "
+                                f"(gen-<8 digits earlier than {generation}>/<name>, format version "
+                                f"{EARLIER_FILES_VERSION} or later)")
+        return files
 
     def table(self, spec: dict, data: bytes) -> ShardTable:
         count = self.int_of(spec, "count", minimum=0)

@@ -1,9 +1,10 @@
 """What a rank wrote: its data files and where each piece and value record lies in them, with the
-chunk checksums. The coordinator assembles the manifest from every rank's report."""
+chunk checksums, and the pieces it did not write because an earlier generation stores their bytes
+(an incremental save's). The coordinator assembles the manifest from every rank's report."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,21 @@ class WrittenPieces:
         return WrittenPieces(np.frombuffer(index, dtype=np.int64), parts,
                              np.frombuffer(where, dtype=np.int64).reshape(-1, 3),
                              np.frombuffer(crc_counts, dtype=np.int64), np.frombuffer(crcs, dtype=np.uint32))
+
+    @staticmethod
+    def empty() -> "WrittenPieces":
+        return WrittenPieces.of([])
+
+    @staticmethod
+    def concat(first: "WrittenPieces", second: "WrittenPieces", second_files: np.ndarray) -> "WrittenPieces":
+        """``first``'s rows, then ``second``'s with file ``i`` renamed ``second_files[i]``."""
+        where = second.where.copy()
+        where[:, 0] = second_files[where[:, 0]] if len(where) else where[:, 0]
+        shift = len(first.index)
+        return WrittenPieces(np.concatenate([first.index, second.index]),
+                             first.parts + [[row + shift, offsets, lengths] for row, offsets, lengths in second.parts],
+                             np.concatenate([first.where, where]), np.concatenate([first.crc_counts, second.crc_counts]),
+                             np.concatenate([first.crcs, second.crcs]))
 
     @staticmethod
     def of(rows: list["PieceRecord"]) -> "WrittenPieces":
@@ -78,25 +94,34 @@ class ValueRecord:
 
 @dataclass(slots=True)
 class RankWrites:
-    """One rank's report: file names (relative to the generation), its pieces and value records,
-    whether any value was pickled and whether any record refers to tensors saved beside it."""
+    """One rank's report: the files it wrote (names relative to the generation), its pieces and
+    value records in them, whether any value was pickled and whether any record refers to tensors
+    saved beside it; and the pieces whose bytes ``reused`` it did not write, in data files of earlier
+    generations (``earlier_files``, named from the checkpoint path: ``layout.references``)."""
 
     files: list[str]
     pieces: WrittenPieces
     values: list[ValueRecord]
     used_pickle: bool
     used_refs: bool = False
+    reused: WrittenPieces = field(default_factory=WrittenPieces.empty)
+    earlier_files: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
+        """Bytes written (not those reused)."""
         return int(self.pieces.where[:, 2].sum()) + sum(v.nbytes for v in self.values)
+
+    @property
+    def reused_nbytes(self) -> int:
+        return int(self.reused.where[:, 2].sum())
 
     def to_wire(self) -> list[Any]:
         return [self.files, self.pieces.to_wire(), [v.to_wire() for v in self.values], self.used_pickle,
-                self.used_refs]
+                self.used_refs, self.reused.to_wire(), self.earlier_files]
 
     @staticmethod
     def from_wire(wire: list[Any]) -> "RankWrites":
-        files, pieces, values, used_pickle, used_refs = wire
+        files, pieces, values, used_pickle, used_refs, reused, earlier_files = wire
         return RankWrites(files, WrittenPieces.from_wire(pieces), [ValueRecord.from_wire(v) for v in values],
-                          used_pickle, used_refs)
+                          used_pickle, used_refs, WrittenPieces.from_wire(reused), earlier_files)

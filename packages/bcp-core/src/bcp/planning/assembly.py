@@ -16,14 +16,24 @@ from bcp.planning.save_plan import PlanColumns
 
 def assemble_manifest(*, generation: int, framework: str, checksum_chunk: int, writer: str, columns: PlanColumns,
                       reports: list[RankWrites], world_size: int | None = None) -> Manifest:
-    """``columns`` are the plan's pieces; ``reports[r]`` is what rank r wrote. ``world_size`` is the
-    saved world's (default: one report per rank)."""
+    """``columns`` are the plan's pieces; ``reports[r]`` is what rank r wrote (and the pieces it
+    found stored by an earlier generation). ``world_size`` is the saved world's (default: one
+    report per rank)."""
     files: list[str] = []
     file_base: list[int] = []
     for report in reports:
         file_base.append(len(files))
         files.extend(report.files)
-    table, per_tensor = _shard_table(columns, [r.pieces for r in reports], file_base)
+    earlier: dict[str, int] = {}  # a file of an earlier generation is listed once, whichever ranks use it
+    rows = []
+    for report, base in zip(reports, file_base):
+        indices = np.array([earlier.setdefault(name, len(files) + len(earlier)) for name in report.earlier_files],
+                           dtype=np.int64)
+        own = WrittenPieces(report.pieces.index, report.pieces.parts, report.pieces.where + [[base, 0, 0]],
+                            report.pieces.crc_counts, report.pieces.crcs)
+        rows.append(WrittenPieces.concat(own, report.reused, indices) if len(report.reused.index) else own)
+    files.extend(earlier)
+    table, per_tensor = _shard_table(columns, rows)
     firsts = np.concatenate([[0], np.cumsum(per_tensor)]).tolist()
     tensors = {name: TensorEntry.from_table(name, dtype, shape, table, firsts[i], firsts[i + 1] - firsts[i])
                for i, (name, dtype, shape) in enumerate(zip(columns.names, columns.dtypes, columns.shapes))}
@@ -32,13 +42,13 @@ def assemble_manifest(*, generation: int, framework: str, checksum_chunk: int, w
                     tensors=tensors, objects=_object_entries(reports, file_base, world_size),
                     checksum_chunk=checksum_chunk, unsafe_pickle=any(r.used_pickle for r in reports),
                     created_unix=time.time(), writer=writer,
-                    version=format_version(any(r.used_refs for r in reports)))
+                    version=format_version(any(r.used_refs for r in reports), bool(earlier)))
 
 
-def _shard_table(columns: PlanColumns, written: list[WrittenPieces],
-                 file_base: list[int]) -> tuple[ShardTable, np.ndarray]:
-    """Every written piece as a shard row, grouped by tensor (rank order within a tensor), and the
-    number of rows of each tensor."""
+def _shard_table(columns: PlanColumns, written: list[WrittenPieces]) -> tuple[ShardTable, np.ndarray]:
+    """Every written piece (``written[r]``: rank r's, file indices into the manifest's ``files``)
+    as a shard row, grouped by tensor (rank order within a tensor), and the number of rows of
+    each tensor."""
     rows = [columns.starts[rank] + w.index for rank, w in enumerate(written)]
     offsets = [columns.offsets[r] for r in rows]
     lengths = [columns.lengths[r] for r in rows]
@@ -46,8 +56,7 @@ def _shard_table(columns: PlanColumns, written: list[WrittenPieces],
         for position, part_offsets, part_lengths in w.parts:  # part of a split replicated piece
             box_offsets[position, :len(part_offsets)] = part_offsets
             box_lengths[position, :len(part_lengths)] = part_lengths
-    where = np.concatenate([w.where + [[base, 0, 0]] for w, base in zip(written, file_base)]
-                           or [np.zeros((0, 3), dtype=np.int64)])
+    where = np.concatenate([w.where for w in written] or [np.zeros((0, 3), dtype=np.int64)])
     tensor = columns.tensor[np.concatenate(rows or [np.zeros(0, dtype=np.int64)])]
     order = np.argsort(tensor, kind="stable")
 

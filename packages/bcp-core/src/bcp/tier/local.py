@@ -40,7 +40,7 @@ class NodeLocation(Location):
     def target(self) -> str:
         return self.identity
 
-    def claim_next_generation(self) -> int:
+    def claim_next_generation(self, *, base: int | None = None, token: str | None = None) -> int:
         return self.claimed
 
 

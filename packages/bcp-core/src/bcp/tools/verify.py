@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 from bcp.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 from bcp.layout.manifest import ByteRange
+from bcp.layout.references import generation_dir, referred_generation
 from bcp.layout.values import decode_value
 from bcp.storage import Storage
 from bcp.tools.checkpoint import Checkpoint, open_checkpoint
@@ -82,7 +83,9 @@ class _Verifier:
 
     def check_files(self) -> None:
         """Each data file is a regular file that ends where the last range stored in it ends: shorter
-        is truncation, longer is something appended (one problem per file)."""
+        is truncation, longer is something appended (one problem per file). A file of an earlier
+        generation (an incremental save's) must lie in a committed generation and hold the ranges
+        this one uses; it may hold more (that generation's other entries)."""
         needed = [0] * len(self.manifest.files)
         users: list[set[str]] = [set() for _ in self.manifest.files]
         for name, r in self.ranges():
@@ -90,8 +93,14 @@ class _Verifier:
             users[r.file].add(name)
         storage, location = self.checkpoint.location.storage, self.checkpoint.location
         for index, file in enumerate(self.manifest.files):
-            name = location.name(self.checkpoint.generation, file)
+            name = location.data_name(self.checkpoint.generation, file)
             affected = f"holds data of {len(users[index])} entries, e.g. {sorted(users[index])[:3]}"
+            earlier = referred_generation(file)
+            if earlier is not None and not location.is_committed(earlier):
+                self.problem(None, f"data file {file} lies in {generation_dir(earlier)}, which is not committed "
+                                   f"({affected})")
+                self.bad_files.add(index)
+                continue
             try:
                 size = storage.size(name)
             except FileNotFoundError:
@@ -105,7 +114,7 @@ class _Verifier:
             if size < needed[index]:
                 self.problem(None, f"data file {file} is truncated: {size} bytes, needs {needed[index]} ({affected})")
                 self.bad_files.add(index)
-            elif size > needed[index]:
+            elif size > needed[index] and earlier is None:
                 self.problem(None, f"data file {file} has {size - needed[index]} bytes after its last stored "
                                    f"range (appended or not written by bcp)")
 

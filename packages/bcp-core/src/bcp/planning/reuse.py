@@ -1,0 +1,260 @@
+"""Incremental saves: which of the pieces a rank writes are stored already, byte for byte, by the
+newest committed generation of the checkpoint path (its *base*), so that the new generation's shard
+rows refer to those bytes instead of writing them again (``layout.references``).
+
+Every box of a tensor has one writer in the global plan, and that rank alone decides for it. A
+piece is *reused* only where the base stores the same box (name, dtype, global shape, offsets,
+lengths) and one of these holds, tried in order:
+
+1. *Frozen and untouched* (no byte read): the piece lies in a parameter with ``requires_grad=False``;
+   this process captured it when it saved the base (the memory below), and its storage, address,
+   dtype, shape, strides, device and torch's version counter are as they were then; and one of
+   its 1 MiB chunks, a different one at each generation, still has its stored checksum. Every
+   in-place operation on the parameter or a view of it moves the counter; ``.data =`` and ``set_``
+   give it other memory. Writes that bypass the counter (through ``.data``, a NumPy view, a
+   collective or a custom kernel writing into it) are seen only where they touch the chunk checked.
+2. *The same checksums*: the crc32c of each 1 MiB chunk of its bytes equals the stored one (bytes
+   that changed escape this with a chance of 2**-32 per changed chunk). The checksums computed are
+   those the writer then stores for a piece that is written.
+
+A piece this process captured at the base whose version counter moved since (its memory the same)
+is written without reading it: it was changed in place. Everything else is written.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from bcp.engine.bytes_of import byte_view, host_contiguous
+from bcp.engine.checksum import chunk_crcs
+from bcp.layout.box import Box
+from bcp.layout.dtypes import dtype_name
+from bcp.layout.manifest import Manifest
+from bcp.layout.piece import Piece
+from bcp.layout.references import earlier_file
+from bcp.layout.shards import is_dtensor
+from bcp.layout.write_plan import PieceWrite
+from bcp.layout.write_report import PieceRecord, RankWrites, WrittenPieces
+
+#: A box of a tensor: name, dtype name, global shape, box offsets, box lengths.
+Key = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A box's bytes as a committed generation stores them: ``file`` named from the checkpoint path
+    (``gen-<n>/data/...``), ``nbytes`` from ``offset``, one crc32c per chunk."""
+
+    file: str
+    offset: int
+    nbytes: int
+    crcs: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    """A tensor's memory and version counter when a save captured its bytes."""
+
+    storage: int
+    address: int
+    version: int
+    layout: tuple[Any, ...]
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> "Seen":
+        return Seen(tensor.untyped_storage().data_ptr(), tensor.data_ptr(), tensor._version,
+                    (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.device))
+
+    def same_memory(self, other: "Seen") -> bool:
+        return (self.storage, self.address, self.layout) == (other.storage, other.address, other.layout)
+
+
+@dataclass(frozen=True, slots=True)
+class Remembered:
+    """A box stored by a generation, and (where this process captured it) the tensor as seen then."""
+
+    stored: Stored
+    seen: Seen | None = None
+
+
+class FrozenParameters:
+    """The memory of the parameters with ``requires_grad=False`` of a state's modules (a DTensor's
+    local shard), to tell whether a piece lies inside one."""
+
+    def __init__(self, ranges: Iterable[tuple[int, int]]) -> None:
+        self._ranges = sorted(ranges)
+        self._starts = [start for start, _ in self._ranges]
+
+    @staticmethod
+    def of(modules: Iterable[torch.nn.Module]) -> "FrozenParameters":
+        ranges = []
+        for module in modules:
+            for parameter in module.parameters():
+                if parameter.requires_grad:
+                    continue
+                local = parameter.to_local() if is_dtensor(parameter) else parameter
+                if local.numel() and local.is_contiguous():
+                    ranges.append((local.data_ptr(), local.data_ptr() + local.numel() * local.element_size()))
+        return FrozenParameters(ranges)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        if not tensor.is_contiguous():
+            return False
+        start = tensor.data_ptr()
+        at = bisect.bisect_right(self._starts, start) - 1
+        return at >= 0 and start + tensor.numel() * tensor.element_size() <= self._ranges[at][1]
+
+
+def key_of(piece: Piece, box: Box) -> Key:
+    return piece.name, dtype_name(piece.dtype), tuple(piece.global_shape), box.offsets, box.lengths
+
+
+def stored_boxes(manifest: Manifest, names: set[str]) -> dict[Key, Remembered]:
+    """The boxes of the tensors ``names`` that ``manifest`` (a committed generation's) stores."""
+    out: dict[Key, Remembered] = {}
+    for name in names:
+        entry = manifest.tensors.get(name)
+        if entry is None:
+            continue
+        shape = tuple(entry.shape)
+        for shard in entry.shards:
+            where = shard.bytes
+            out[(name, entry.dtype, shape, shard.box.offsets, shard.box.lengths)] = Remembered(Stored(
+                earlier_file(manifest.generation, manifest.files[where.file]), where.offset, where.nbytes, where.crcs))
+    return out
+
+
+@dataclass(slots=True)
+class Reuse:
+    """A rank's share split into the pieces it writes and those an earlier generation stores."""
+
+    written: list[PieceWrite]
+    reused: list[tuple[PieceWrite, Stored]]
+    #: Every piece's box and how its tensor was seen, for the memory of this save.
+    seen: dict[tuple[int, tuple[int, ...] | None], tuple[Key, Seen]]
+
+    @property
+    def reused_nbytes(self) -> int:
+        return sum(write.nbytes for write, _ in self.reused)
+
+    def complete(self, report: RankWrites) -> None:
+        """Add the reused pieces to the rank's report (where their bytes lie, their checksums)."""
+        files: dict[str, int] = {}
+        rows = [PieceRecord(write.index, write.part.offsets if write.part else None,
+                            write.part.lengths if write.part else None, files.setdefault(stored.file, len(files)),
+                            stored.offset, stored.nbytes, list(stored.crcs)) for write, stored in self.reused]
+        report.reused, report.earlier_files = WrittenPieces.of(rows), list(files)
+
+    def remembered(self, report: RankWrites, generation_folder: str) -> dict[Key, Remembered]:
+        """Every box of the report (its own files in ``generation_folder``) with the tensor as seen."""
+        out: dict[Key, Remembered] = {}
+        for rows, files in ((report.pieces, [f"{generation_folder}/{f}" for f in report.files]),
+                            (report.reused, report.earlier_files)):
+            parts = {row: tuple(offsets) for row, offsets, _ in rows.parts}
+            crc_at = 0
+            for row, (index, (file, offset, nbytes), count) in enumerate(zip(rows.index.tolist(), rows.where.tolist(),
+                                                                            rows.crc_counts.tolist())):
+                key, seen = self.seen[(index, parts.get(row))]
+                out[key] = Remembered(Stored(files[file], offset, nbytes, tuple(rows.crcs[crc_at:crc_at + count].tolist())),
+                                      seen)
+                crc_at += count
+        return out
+
+
+def decide(writes: list[PieceWrite], pieces: list[Piece], base: dict[Key, Remembered],
+           frozen: FrozenParameters | None, generation: int, chunk: int) -> Reuse:
+    """Which of ``writes`` (this rank's share, views of ``pieces``) the base stores (``base``: its
+    boxes, with how this process saw them where it captured them). ``frozen`` is None where the
+    first signal is not trusted."""
+    written: list[PieceWrite] = []
+    reused: list[tuple[PieceWrite, Stored]] = []
+    seen: dict[tuple[int, tuple[int, ...] | None], tuple[Key, Seen]] = {}
+    for write in writes:
+        piece = pieces[write.index]
+        box = Box(write.part.offsets, write.part.lengths) if write.part is not None else piece.box
+        key, tensor = key_of(piece, box), write.tensor()
+        now = Seen.of(tensor)
+        seen[(write.index, write.part.offsets if write.part is not None else None)] = (key, now)
+        known = base.get(key)
+        if known is None or known.stored.nbytes != write.nbytes:
+            written.append(write)
+        elif known.seen is not None and known.seen.same_memory(now) and known.seen.version != now.version:
+            written.append(write)  # changed in place since the save that stored it
+        elif (frozen is not None and known.seen == now and frozen.holds(tensor)
+              and _chunk_matches(tensor, known.stored.crcs, generation % len(known.stored.crcs), chunk)):
+            reused.append((write, known.stored))
+        else:
+            crcs = write.crcs if write.crcs is not None else chunk_crcs(byte_view(host_contiguous(tensor)), chunk)
+            if tuple(crcs) == known.stored.crcs:
+                reused.append((write, known.stored))
+            else:
+                written.append(PieceWrite(write.index, write.part, write.data, write.nbytes, list(crcs)))
+    return Reuse(written, reused, seen)
+
+
+def _chunk_matches(tensor: torch.Tensor, crcs: tuple[int, ...], index: int, chunk: int) -> bool:
+    """Whether chunk ``index`` of the (contiguous) tensor's bytes has checksum ``crcs[index]``; only
+    that chunk is read (copied off a device)."""
+    per = chunk // tensor.element_size()
+    part = tensor.reshape(-1)[index * per:(index + 1) * per]
+    return chunk_crcs(byte_view(host_contiguous(part)), chunk) == [crcs[index]]
+
+
+class ReuseMemory:
+    """What this process's recent saves stored, per checkpoint and channel (``place``), with how it
+    saw each tensor then; and the claims its coordinating rank made. Held by the Runtime. A load
+    forgets everything: it writes into live tensors without moving their version counters."""
+
+    #: Generations remembered per place: the base of the next save, and asynchronous saves in flight.
+    KEEP = 3
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._saved: dict[Any, dict[int, dict[Key, Remembered]]] = {}
+        self._claims: dict[str, dict[int, str]] = {}
+
+    @property
+    def epoch(self) -> int:
+        """Changes at each :meth:`forget`: a save remembers what it saw only if none came between."""
+        return self._epoch
+
+    def remember(self, place: Any, generation: int, boxes: dict[Key, Remembered], epoch: int) -> None:
+        with self._lock:
+            if epoch != self._epoch:
+                return
+            saved = self._saved.setdefault(place, {})
+            saved[generation] = boxes
+            for old in sorted(saved)[:-self.KEEP]:
+                del saved[old]
+
+    def recalled(self, place: Any, generation: int) -> dict[Key, Remembered] | None:
+        with self._lock:
+            return self._saved.get(place, {}).get(generation)
+
+    def generations(self, place: Any) -> list[int]:
+        with self._lock:
+            return sorted(self._saved.get(place, {}))
+
+    def claimed(self, target: str, generation: int, token: str) -> None:
+        with self._lock:
+            claims = self._claims.setdefault(target, {})
+            claims[generation] = token
+            for old in sorted(claims)[:-self.KEEP]:
+                del claims[old]
+
+    def claim_token(self, target: str, generation: int) -> str | None:
+        with self._lock:
+            return self._claims.get(target, {}).get(generation)
+
+    def forget(self) -> None:
+        with self._lock:
+            self._epoch += 1
+            self._saved.clear()
+            self._claims.clear()
+
