@@ -157,7 +157,7 @@ class GenerationWriter:
         """Make the generation visible (shard table, manifest, then the commit marker), then remove
         the generations retention no longer keeps; returns the oldest generation kept."""
         self.location.commit(self.generation, manifest)
-        return self.location.apply_retention(self.generation)
+        return self.location.apply_retention(self.generation, manifest.earlier_generations())
 
     def discard(self, every_writer_stopped: bool = False) -> None:
         """Remove what was written of this generation (never a committed one), best effort; the

@@ -1,0 +1,217 @@
+"""Incremental saves (``bcp.save(..., incremental=True)``): a save writes only the boxes whose bytes
+the newest committed generation at the path does not store already, and every generation still
+loads on its own, into any layout, bitwise."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import bcp
+from bcp.tools import open_checkpoint
+from lora_models import build_lora, frozen_nbytes, train_lora
+from models import assert_bitwise, full_state, rank
+
+SAVES = 3
+
+
+def save_fine_tuning(kind: str, path: str, async_save: bool) -> list[dict]:
+    """Three incremental saves of a frozen base + adapters, training the adapters in between."""
+    model, optimizer = build_lora(kind, seed=1)
+    out = []
+    for save in range(SAVES):
+        train_lora(model, optimizer, range(2 * save, 2 * save + 2))
+        handle = bcp.save(path, {"model": model, "optimizer": optimizer, "extra_state": {"save": save}},
+                          incremental=True, keep_generations=SAVES, async_save=async_save)
+        handle.wait()
+        state = full_state(model, optimizer)
+        out.append({"generation": handle.generation, "written": handle.stats.bytes,
+                    "reused": handle.stats.reused_bytes, "state": state if rank() == 0 else None,
+                    "frozen": frozen_nbytes(model)})
+    return out
+
+
+def load_generation(kind: str, path: str, generation: int) -> dict:
+    model, optimizer = build_lora(kind, seed=2)
+    train_lora(model, optimizer, range(1))  # live optimizer state to be replaced
+    state = {"model": model, "optimizer": optimizer, "extra_state": None}
+    result = bcp.load(path, state, generation=generation)
+    loaded = full_state(model, optimizer)  # collective
+    return {"state": loaded if rank() == 0 else None, "extra": state["extra_state"], "generation": result.generation}
+
+
+@pytest.mark.parametrize("kind,async_save", [("fsdp2", False), ("ddp", True)])
+def test_a_frozen_base_saved_three_times_on_two_ranks_loads_bitwise_on_one_and_three(ranks, tmp_path, kind,
+                                                                                       async_save):
+    path = str(tmp_path / "ckpt")
+    saves = ranks(2).run(save_fine_tuning, kind, path, async_save)
+    frozen = saves[0][0]["frozen"]
+    for save in range(SAVES):
+        written = sum(rank_saves[save]["written"] for rank_saves in saves)
+        reused = sum(rank_saves[save]["reused"] for rank_saves in saves)
+        if save == 0:
+            assert reused == 0 and written > frozen
+        else:  # the adapters and their optimizer state are written, the frozen base is not
+            assert reused >= frozen and written < frozen / 10, (save, written, reused)
+    versions = {g: open_checkpoint(path, generation=g).manifest.version for g in range(1, SAVES + 1)}
+    assert versions == {1: 1, 2: 3, 3: 3}
+    for save in range(SAVES):
+        generation = saves[0][save]["generation"]
+        expected = saves[0][save]["state"]
+        alone = load_generation("plain", path, generation)
+        assert alone["generation"] == generation and alone["extra"] == {"save": save}
+        assert_bitwise(expected, alone["state"])
+        on_three = ranks(3).run(load_generation, "fsdp2", path, generation)
+        assert_bitwise(expected, on_three[0]["state"])
+        assert [r["extra"] for r in on_three] == [{"save": save}, {"save": save}, {"save": save}]
+
+
+def test_later_generations_list_the_first_generations_files_and_never_chain(tmp_path):
+    model, optimizer = build_lora("plain", seed=1)
+    for save in range(4):
+        train_lora(model, optimizer, range(save, save + 1))
+        bcp.save(tmp_path, {"model": model, "optimizer": optimizer}, incremental=True, keep_generations=4)
+    files = {g: json.loads((tmp_path / f"gen-{g:08d}" / "manifest.json").read_text())["files"] for g in (1, 2, 3, 4)}
+    assert files[1] == ["data/00000-00.bin"]
+    for generation in (2, 3, 4):  # each names the file where the base's bytes lie, never a generation in between
+        assert files[generation] == ["data/00000-00.bin", "gen-00000001/data/00000-00.bin"]
+
+
+def _fine_tuning(path, **options) -> tuple:
+    model, optimizer = build_lora("plain", seed=1)
+    state = {"model": model, "optimizer": optimizer}
+    train_lora(model, optimizer, range(1))
+    bcp.save(path, state, incremental=True, **options)
+    return model, optimizer, state
+
+
+class _Checksummed:
+    """Counts the bytes the reuse decision checksums (``planning.reuse`` reads live bytes only there)."""
+
+    def __init__(self, monkeypatch) -> None:
+        import bcp.planning.reuse as reuse
+
+        self.nbytes = 0
+        real = reuse.chunk_crcs
+
+        def counting(data, chunk):
+            self.nbytes += data.nbytes
+            return real(data, chunk)
+        monkeypatch.setattr(reuse, "chunk_crcs", counting)
+
+
+def test_an_untouched_frozen_base_is_not_read_and_trained_tensors_are_written_unread(tmp_path, monkeypatch):
+    model, optimizer, state = _fine_tuning(tmp_path)
+    train_lora(model, optimizer, range(1, 2))
+    checksummed = _Checksummed(monkeypatch)
+    handle = bcp.save(tmp_path, state, incremental=True)
+    frozen = frozen_nbytes(model)
+    assert handle.stats.reused_bytes == frozen  # the whole base, and nothing trained
+    # one chunk of each frozen tensor (the 1.6 MB weight: one 1 MiB chunk of its two), nothing of the rest
+    assert checksummed.nbytes == (1 << 20) + sum(p.numel() * 4 for n, p in model.named_parameters()
+                                                 if not p.requires_grad and n != "base2.weight")
+    assert handle.stats.bytes < frozen / 10
+    live, _ = build_lora("plain", seed=5)
+    bcp.load(tmp_path, {"model": live}, strict=False)
+    assert_bitwise(model.state_dict(), live.state_dict())
+
+
+def _change(parameter: torch.nn.Parameter, how: str) -> None:
+    new = parameter.detach() * 2 + 1
+    if how == "in place":
+        with torch.no_grad():
+            parameter.mul_(2).add_(1)
+    elif how == "data assigned":
+        parameter.data = new
+    elif how == "set_":
+        with torch.no_grad():
+            parameter.set_(new.clone())
+    elif how == "behind the version counter":  # .data shares the memory, not the counter
+        parameter.data.copy_(new)
+
+
+@pytest.mark.parametrize("how", ["in place", "data assigned", "set_", "behind the version counter"])
+def test_a_frozen_parameter_changed_by_the_user_is_written_again(tmp_path, how):
+    model, optimizer, state = _fine_tuning(tmp_path)
+    weight = model.base2.weight
+    seen = (weight._version, weight.untyped_storage().data_ptr())
+    _change(weight, how)
+    assert (weight._version, weight.untyped_storage().data_ptr()) != seen or how == "behind the version counter"
+    handle = bcp.save(tmp_path, state, incremental=True)  # nothing else changed: everything else is reused
+    changed = model.base2.weight.numel() * 4
+    assert handle.stats.bytes >= changed
+    assert handle.stats.reused_bytes == open_checkpoint(tmp_path).manifest.total_tensor_bytes() - changed
+    assert torch.equal(bcp.tools.read_tensor(tmp_path, "model/base2.weight"), model.base2.weight)
+
+
+def test_a_partial_write_behind_the_version_counter_is_caught_when_its_chunk_is_checked(tmp_path):
+    """The untouched-frozen signal reads one chunk per save, a different one at each generation: a
+    write through ``.data`` to another chunk is missed by that save and caught by a later one;
+    ``trust_frozen=False`` checksums every byte and catches it at once."""
+    model, optimizer, state = _fine_tuning(tmp_path / "trusted")
+    _fine_tuning(tmp_path / "checksummed", trust_frozen=False)
+    weight = model.base2.weight
+    last = weight.numel() - 1  # in the second chunk; generation 2 checks the first (2 % 2)
+    saved = weight.detach().clone()
+    weight.data.view(-1)[last] += 1
+    bcp.save(tmp_path / "trusted", state, incremental=True)
+    bcp.save(tmp_path / "checksummed", state, incremental=True, trust_frozen=False)
+    read = bcp.tools.read_tensor
+    assert read(tmp_path / "checksummed", "model/base2.weight").view(-1)[last] == weight.view(-1)[last]
+    assert torch.equal(read(tmp_path / "trusted", "model/base2.weight"), saved)  # missed
+    bcp.save(tmp_path / "trusted", state, incremental=True)  # generation 3 checks the second chunk
+    assert torch.equal(read(tmp_path / "trusted", "model/base2.weight"), weight)
+
+
+def test_unchanged_tensors_outside_frozen_parameters_are_reused_by_their_checksums(tmp_path, monkeypatch):
+    model, optimizer, state = _fine_tuning(tmp_path)
+    state["buffers"] = {"positions": torch.arange(100_000)}  # a constant tensor of the state, not a parameter
+    bcp.save(tmp_path, state, incremental=True)
+    checksummed = _Checksummed(monkeypatch)
+    handle = bcp.save(tmp_path, state, incremental=True)  # nothing trained: every byte is the base's
+    assert handle.stats.reused_bytes == open_checkpoint(tmp_path).manifest.total_tensor_bytes()
+    assert handle.stats.bytes < 2000  # only the per-rank values (the optimizer's param groups)
+    # the adapters and their optimizer state are read (the buffer's checksums are the plain tensor's own)
+    trained = sum(p.numel() * 4 * 3 for p in model.parameters() if p.requires_grad)
+    assert checksummed.nbytes >= trained
+
+
+def test_after_a_restart_the_base_manifest_decides_and_later_saves_remember_again(tmp_path, monkeypatch):
+    from bcp.api.runtime import reset_runtime
+
+    model, optimizer, state = _fine_tuning(tmp_path)
+    reset_runtime()  # a new process: no memory of the save that wrote the base
+    checksummed = _Checksummed(monkeypatch)
+    handle = bcp.save(tmp_path, state, incremental=True)
+    assert handle.stats.reused_bytes >= frozen_nbytes(model) and checksummed.nbytes >= frozen_nbytes(model)
+    checksummed.nbytes = 0
+    handle = bcp.save(tmp_path, state, incremental=True)
+    assert handle.stats.reused_bytes >= frozen_nbytes(model) and checksummed.nbytes < frozen_nbytes(model) / 2
+
+
+def test_a_load_between_saves_is_never_taken_for_an_untouched_tensor(tmp_path):
+    model, optimizer, state = _fine_tuning(tmp_path, keep_generations=5)
+    first = model.base2.weight.detach().clone()
+    with torch.no_grad():
+        model.base2.weight[0, 0] += 1  # generation 2 stores another first chunk
+    bcp.save(tmp_path, state, incremental=True, keep_generations=5)
+    bcp.load(tmp_path, {"model": model}, generation=1, strict=False, transactional=False)  # read into the live memory
+    assert torch.equal(model.base2.weight, first)
+    bcp.save(tmp_path, state, incremental=True, keep_generations=5)
+    assert torch.equal(bcp.tools.read_tensor(tmp_path, "model/base2.weight"), first)
+
+
+def test_an_asynchronous_incremental_save_stages_only_what_it_writes(tmp_path):
+    from bcp.api.runtime import runtime
+
+    model, optimizer, state = _fine_tuning(tmp_path)  # synchronous: no host buffer yet
+    train_lora(model, optimizer, range(1, 2))
+    handle = bcp.save(tmp_path, state, incremental=True, async_save=True)
+    handle.wait()
+    assert handle.stats.reused_bytes == frozen_nbytes(model)
+    assert 0 < runtime().buffers.allocated_bytes < frozen_nbytes(model) / 10
+    live, _ = build_lora("plain", seed=5)
+    bcp.load(tmp_path, {"model": live}, strict=False)
+    assert_bitwise(model.state_dict(), live.state_dict())
