@@ -24,6 +24,17 @@ def fixture_state(version: int) -> dict:
     return state
 
 
+def fixture_saves(version: int) -> list[dict]:
+    """The saves that wrote fixture ``format-v<version>``, the last one's state being
+    :func:`fixture_state`'s. Version 3 is an incremental save after one whose ``model/weight``
+    differed: its manifest lists the first generation's data file for every other tensor."""
+    if version < 3:
+        return [fixture_state(version)]
+    earlier = fixture_state(version)
+    earlier["model"] = dict(earlier["model"], weight=torch.zeros(4, 6))
+    return [earlier, fixture_state(version)]
+
+
 def empty_like_fixture(version: int) -> dict:
     """Live objects to load fixture ``format-v<version>`` into: tensors zeroed, values emptied."""
     state = fixture_state(version)

@@ -215,3 +215,89 @@ def test_an_asynchronous_incremental_save_stages_only_what_it_writes(tmp_path):
     live, _ = build_lora("plain", seed=5)
     bcp.load(tmp_path, {"model": live}, strict=False)
     assert_bitwise(model.state_dict(), live.state_dict())
+
+
+def test_the_oldest_generation_stays_while_a_kept_one_refers_to_its_bytes(tmp_path):
+    model, optimizer = build_lora("plain", seed=1)
+    state = {"model": model, "optimizer": optimizer}
+    expected = {}
+    for save in range(1, 5):
+        train_lora(model, optimizer, range(save, save + 1))
+        bcp.save(tmp_path, state, incremental=True)
+        expected[save] = full_state(model, optimizer)
+    # generation 2 is gone; 1 is older than the two kept, but they refer to its bytes
+    assert _generations(tmp_path) == [1, 3, 4]
+    for generation in (1, 3, 4):
+        live, live_optimizer = build_lora("plain", seed=2)
+        train_lora(live, live_optimizer, range(1))
+        bcp.load(tmp_path, {"model": live, "optimizer": live_optimizer}, generation=generation)
+        assert_bitwise(expected[generation], full_state(live, live_optimizer))
+    assert bcp.tools.verify_checkpoint(tmp_path).ok
+    bcp.save(tmp_path, state)  # a whole generation: 4 still refers to 1
+    assert _generations(tmp_path) == [1, 4, 5]
+    bcp.save(tmp_path, state)
+    assert _generations(tmp_path) == [5, 6]
+
+
+def test_a_save_in_progress_keeps_the_base_it_refers_to(tmp_path):
+    """Retention by another writer keeps the base a save in progress named in its claim (and the
+    generations that base refers to): the claim is newer than the oldest generation kept."""
+    from bcp.api.location import resolve
+
+    def generation(number: int, files: list[str] | None, base: int | None = None) -> None:
+        folder = tmp_path / f"gen-{number:08d}"
+        folder.mkdir()
+        (folder / "CLAIM").write_text(json.dumps({} if base is None else {"base": base}))
+        if files is not None:
+            (folder / "manifest.json").write_text(json.dumps({"version": 3, "files": files}))
+            (folder / "COMMITTED").write_text("{}")
+
+    generation(1, ["data/00000-00.bin"])
+    generation(2, ["data/00000-00.bin", "gen-00000001/data/00000-00.bin"])
+    generation(3, ["data/00000-00.bin"])  # another writer's, whole
+    generation(4, None, base=2)  # an incremental save in progress, based on 2
+    generation(5, ["data/00000-00.bin"])
+    location = resolve(tmp_path, None, keep_generations=2)
+    location.apply_retention(5)  # keeps 3 and 5; 4 may refer to 2, and 2 to 1
+    assert _generations(tmp_path) == [1, 2, 3, 4, 5]
+    (tmp_path / "gen-00000004" / "CLAIM").write_text("{}")  # a save without a base
+    location.apply_retention(5)
+    assert _generations(tmp_path) == [3, 4, 5]
+
+
+def _generations(path) -> list[int]:
+    return sorted(int(p.name[4:]) for p in path.iterdir() if p.name.startswith("gen-"))
+
+
+@pytest.mark.parametrize("version,name", [
+    (3, "gen-00000002/data/00000-00.bin"),  # the manifest's own generation, not an earlier one
+    (3, "gen-00000007/data/00000-00.bin"),  # a later one
+    (3, "gen-00000000/data/00000-00.bin"),  # no generation 0
+    (3, "gen-1/data/00000-00.bin"),  # not eight digits
+    (3, "gen-00000001/../../../etc/passwd"),
+    (3, "gen-00000001/gen-00000001/data/00000-00.bin"),  # a chain
+    (3, "/etc/passwd"),
+    (2, "gen-00000001/data/00000-00.bin"),  # before version 3 no manifest names another generation's file
+])
+def test_a_manifest_naming_a_file_that_is_not_an_earlier_generations_is_refused(tmp_path, version, name):
+    from hostile_forge import forge
+
+    model, optimizer = build_lora("plain", seed=1)
+    for _ in range(2):
+        bcp.save(tmp_path, {"model": model}, incremental=True)
+    forge(tmp_path, lambda doc: doc.update(version=version, files=[doc["files"][0], name]), gen="gen-00000002")
+    with pytest.raises(bcp.CorruptCheckpointError, match="is not a file of an earlier generation|relative paths"):
+        open_checkpoint(tmp_path)
+    with pytest.raises(bcp.CorruptCheckpointError):
+        bcp.tools.verify_checkpoint(tmp_path)
+
+
+def test_a_bcp_that_reads_only_earlier_versions_refuses_a_version_3_checkpoint(tmp_path, monkeypatch):
+    import bcp.layout.manifest as manifest
+
+    model, _ = build_lora("plain", seed=1)
+    for _ in range(2):
+        bcp.save(tmp_path, {"model": model}, incremental=True)
+    monkeypatch.setattr(manifest, "SUPPORTED_VERSIONS", (1, 2))
+    with pytest.raises(bcp.FormatVersionError, match="format version 3 is not readable by this bcp"):
+        bcp.load(tmp_path, {"model": build_lora("plain", seed=2)[0]})

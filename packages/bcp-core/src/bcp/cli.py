@@ -20,6 +20,7 @@ from bcp.tools import (
     convert_bcp_to_dcp,
     convert_dcp_to_bcp,
     convert_hf_to_bcp,
+    copy_checkpoint,
     edit_checkpoint,
     export_safetensors,
     format_summary,
@@ -40,6 +41,7 @@ _EPILOG = """examples:
   bcp convert --from dcp dcp_ckpt/ ckpt/ --trust-pickle
   bcp convert --to dcp ckpt/ dcp_out/
   bcp edit ckpt/ new_ckpt/ --drop 'optimizer/*' --dtype bfloat16
+  bcp copy ckpt/ s3://bucket/elsewhere/ --generation 12
   bcp report ckpt/ --heatmap heat.png --gantt gantt.png --trace trace.json
 """
 
@@ -59,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="bcp", description="Inspect, verify, export, convert and edit bcp checkpoints; report on saves and loads.",
+        prog="bcp", description="Inspect, verify, export, convert, edit and copy bcp checkpoints; report on saves and loads.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -113,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     edit.add_argument("--consolidate", action="store_true", help="store every tensor whole instead of as saved")
     _edit_rules(edit, "full names (model/<fqn>, optimizer/state/<fqn>/<key>, ...)")
     _quiet(edit)
+
+    copy = _command(commands, "copy", _copy, "copy one generation as a checkpoint of its own (self-contained)")
+    copy.add_argument("src", metavar="SRC", help="checkpoint to read (never modified)")
+    copy.add_argument("out", metavar="OUT", help="new (or empty) folder or URL for the copy")
+    copy.add_argument("--role", help="role sub-checkpoint of SRC")
+    copy.add_argument("--generation", type=int, help="a committed generation other than the newest")
+    _quiet(copy)
 
     monitor = _command(commands, "report", _report, "where a save's or load's time went, per rank and phase")
     monitor.add_argument("path", metavar="PATH|LOG", help="checkpoint path or URL (its bcp-metrics/ log), or a log file")
@@ -226,6 +235,14 @@ def _edit(args: argparse.Namespace) -> int:
                              casts=CastRules(tuple(args.dtype)), consolidate=args.consolidate,
                              progress=progress_for(quiet=args.quiet))
     print(f"wrote {result.out}: {result.tensors} tensors, {result.values} values, {result.dropped} dropped")
+    return 0
+
+
+def _copy(args: argparse.Namespace) -> int:
+    result = copy_checkpoint(args.src, args.out, role=args.role, generation=args.generation,
+                             progress=progress_for(quiet=args.quiet))
+    print(f"copied {result.tensors} tensors and {result.values} values into {result.out} (refers to nothing "
+          "outside it)")
     return 0
 
 

@@ -32,19 +32,29 @@ class EditResult:
 
 def edit_checkpoint(src: "str | os.PathLike", out: "str | os.PathLike", *, role: str | None = None,
                     rules: NameRules = NameRules(), casts: CastRules = CastRules(), consolidate: bool = False,
-                    progress: Progress | None = None) -> EditResult:
-    """Write the checkpoint at ``src``, edited, as a new checkpoint at ``out``.
+                    progress: Progress | None = None, generation: int | None = None) -> EditResult:
+    """Write the checkpoint at ``src`` (its newest committed generation, or ``generation``), edited,
+    as a new checkpoint at ``out``, which refers to nothing outside it.
 
     ``rules`` and ``casts`` patterns see full names (``model/<fqn>``, ``optimizer/state/...``).
     Shards keep their boxes (memory: one shard at a time) unless ``consolidate`` writes every
     tensor as one whole piece (memory: one tensor at a time). Per-rank values are kept per rank.
     Tensors that shared stored bytes (tied weights) still share them.
     """
-    checkpoint = open_checkpoint(src, role=role)
+    checkpoint = open_checkpoint(src, role=role, generation=generation)
     manifest = checkpoint.manifest
     names = _with_holders(manifest, rules.apply([*manifest.tensors, *manifest.objects]), checkpoint.path)
     return _write_edited(checkpoint, names, out, casts=casts, consolidate=consolidate, progress=progress,
                          sources=[checkpoint.location.storage.root])
+
+
+def copy_checkpoint(src: "str | os.PathLike", out: "str | os.PathLike", *, role: str | None = None,
+                    generation: int | None = None, progress: Progress | None = None) -> EditResult:
+    """Copy one generation of ``src`` (the newest committed one, or ``generation``) to ``out`` as a
+    checkpoint of its own: every byte it uses is read (checked against its checksum) and written
+    anew, those an incremental save left in earlier generations included, so the copy refers to
+    nothing outside ``out``. The copy's shards, values and tied tensors are the source's."""
+    return edit_checkpoint(src, out, role=role, progress=progress, generation=generation)
 
 
 def remove_entries(path: "str | os.PathLike", names: Iterable[str], *, role: str | None = None,
