@@ -3,10 +3,14 @@ than one 1 MiB checksum chunk) with low-rank adapters, AdamW over the adapters o
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import torch
 from torch import nn
 
-from models import batch, rank, world
+import bcp
+from models import assert_bitwise, batch, full_state, rank, world
 
 
 class LoraMLP(nn.Module):
@@ -58,4 +62,56 @@ def frozen_nbytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
 
 
-__all__ = ["LoraMLP", "build_lora", "frozen_nbytes", "rank", "train_lora"]
+SAVES = 3
+
+
+def save_fine_tuning(kind: str, path: Any, async_save: bool, env: dict[str, str] | None = None) -> list[dict]:
+    """Three incremental saves of a frozen base + adapters, training the adapters in between (``env``:
+    variables the rank processes, started before a test's server, need to reach it)."""
+    os.environ.update(env or {})
+    model, optimizer = build_lora(kind, seed=1)
+    out = []
+    for save in range(SAVES):
+        train_lora(model, optimizer, range(2 * save, 2 * save + 2))
+        handle = bcp.save(path, {"model": model, "optimizer": optimizer, "extra_state": {"save": save}},
+                          incremental=True, keep_generations=SAVES, async_save=async_save)
+        handle.wait()
+        state = full_state(model, optimizer)
+        out.append({"generation": handle.generation, "written": handle.stats.bytes,
+                    "reused": handle.stats.reused_bytes, "state": state if rank() == 0 else None,
+                    "frozen": frozen_nbytes(model)})
+    return out
+
+
+def load_generation(kind: str, path: Any, generation: int | None, env: dict[str, str] | None = None) -> dict:
+    os.environ.update(env or {})
+    model, optimizer = build_lora(kind, seed=2)
+    train_lora(model, optimizer, range(1))  # live optimizer state to be replaced
+    state = {"model": model, "optimizer": optimizer, "extra_state": None}
+    result = bcp.load(path, state, generation=generation)
+    loaded = full_state(model, optimizer)  # collective
+    return {"state": loaded if rank() == 0 else None, "extra": state["extra_state"], "generation": result.generation}
+
+
+def assert_round_trip(ranks: Any, path: Any, saves: list[list[dict]], env: dict[str, str] | None = None,
+                      generations: bool = True) -> None:
+    """``saves`` (every rank's :func:`save_fine_tuning`) wrote the adapters and not the base after the
+    first save, and each kept generation (the newest only, without ``generations``) loads bitwise on
+    one rank and on three."""
+    frozen = saves[0][0]["frozen"]
+    for save in range(SAVES):
+        written = sum(rank_saves[save]["written"] for rank_saves in saves)
+        reused = sum(rank_saves[save]["reused"] for rank_saves in saves)
+        if save == 0:
+            assert reused == 0 and written > frozen
+        else:  # the adapters and their optimizer state are written, the frozen base is not
+            assert reused >= frozen and written < frozen / 10, (save, written, reused)
+    for save in range(SAVES) if generations else [SAVES - 1]:
+        generation = saves[0][save]["generation"] if generations else None
+        expected = saves[0][save]["state"]
+        alone = load_generation("plain", path, generation, env)
+        assert alone["extra"] == {"save": save}
+        assert_bitwise(expected, alone["state"])
+        on_three = ranks(3).run(load_generation, "fsdp2", path, generation, env)
+        assert_bitwise(expected, on_three[0]["state"])
+        assert [r["extra"] for r in on_three] == [{"save": save}] * 3
