@@ -97,7 +97,8 @@ def assert_round_trip(ranks: Any, path: Any, saves: list[list[dict]], env: dict[
                       generations: bool = True) -> None:
     """``saves`` (every rank's :func:`save_fine_tuning`) wrote the adapters and not the base after the
     first save, and each kept generation (the newest only, without ``generations``) loads bitwise on
-    one rank and on three."""
+    one rank and on three (``path``: the checkpoint, or for a target that depends on the world
+    size, a function of it)."""
     frozen = saves[0][0]["frozen"]
     for save in range(SAVES):
         written = sum(rank_saves[save]["written"] for rank_saves in saves)
@@ -109,9 +110,9 @@ def assert_round_trip(ranks: Any, path: Any, saves: list[list[dict]], env: dict[
     for save in range(SAVES) if generations else [SAVES - 1]:
         generation = saves[0][save]["generation"] if generations else None
         expected = saves[0][save]["state"]
-        alone = load_generation("plain", path, generation, env)
+        alone = load_generation("plain", path(1) if callable(path) else path, generation, env)
         assert alone["extra"] == {"save": save}
         assert_bitwise(expected, alone["state"])
-        on_three = ranks(3).run(load_generation, "fsdp2", path, generation, env)
+        on_three = ranks(3).run(load_generation, "fsdp2", path(3) if callable(path) else path, generation, env)
         assert_bitwise(expected, on_three[0]["state"])
         assert [r["extra"] for r in on_three] == [{"save": save}] * 3

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -326,8 +325,7 @@ def _claim(location: Location, rt: Runtime, incremental: bool) -> tuple[int, int
     """(Rank 0) the generation claimed, the base of an incremental save, and whether the base's
     claim is one this process made (its saves' memory is then the base's)."""
     base = location.newest_committed() if incremental else None
-    token = secrets.token_hex(8)
-    generation = location.claim_next_generation(base=base, token=token)
+    generation, token = location.claim(base)
     if not incremental:
         return generation, None, False
     rt.reuse.claimed(location.target, generation, token)
@@ -394,9 +392,12 @@ def _base_boxes(coord: Coordinator, location: Location, rt: Runtime, place: Any,
     if base.generation is None:
         return {}
     if base.remembered:
-        return rt.reuse.recalled(place, base.generation) or {}
-    manifest = _base_manifest(coord, location, base.generation)
-    return stored_boxes(manifest, names) if manifest is not None else {}
+        boxes = rt.reuse.recalled(place, base.generation) or {}
+    else:
+        manifest = _base_manifest(coord, location, base.generation)
+        boxes = stored_boxes(manifest, names) if manifest is not None else {}
+    usable = {file: location.may_refer_to(file) for file in {box.stored.file for box in boxes.values()}}
+    return boxes if all(usable.values()) else {key: box for key, box in boxes.items() if usable[box.stored.file]}
 
 
 def _base_manifest(coord: Coordinator, location: Location, generation: int) -> Manifest | None:

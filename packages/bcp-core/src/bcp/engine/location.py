@@ -89,29 +89,39 @@ class Location:
     def is_committed(self, generation: int) -> bool:
         return self.storage.exists(self.name(generation, COMMIT_MARKER))
 
+    def may_refer_to(self, file: str) -> bool:
+        """Whether a new generation may list ``file`` (named from the checkpoint path) of an earlier
+        committed generation: everywhere the location's storage is the one that generation is on."""
+        return True
+
     def data_name(self, generation: int, file: str) -> str:
         """The storage name of data file ``file`` listed by ``generation``'s manifest: in that
         generation's folder, or in the folder of the earlier generation it names
         (``gen-<n>/...``, which a manifest lists only from format version 3, ``layout.references``)."""
         return f"{self.prefix}{file}" if split_reference(file) is not None else self.name(generation, file)
 
-    def claim_next_generation(self, *, base: int | None = None, token: str | None = None) -> int:
+    def claim_next_generation(self) -> int:
+        """Claim the generation after the newest on storage (see :meth:`claim`)."""
+        return self.claim()[0]
+
+    def claim(self, base: int | None = None) -> tuple[int, str]:
         """Claim the generation after the newest on storage (create-if-absent of its ``CLAIM``; on
-        a race, the next one): the caller alone writes into the generation returned. ``base`` is
-        the generation whose stored bytes the save may refer to (retention keeps it, and what it
-        refers to, while the claim is in progress); ``token`` tells the claim apart from any other
-        (:meth:`claim_token`)."""
+        a race, the next one): the caller alone writes into the generation returned. The claim
+        holds a token of its own (returned, and read back by :meth:`claim_token`) and ``base``, the
+        generation whose stored bytes the save may refer to: retention keeps it, and what it refers
+        to, while the claim is in progress."""
         existing = self.generations()
         generation = existing[-1] + 1 if existing else 1
-        claim = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "unix": time.time(),
-                            "token": token or secrets.token_hex(8), **({} if base is None else {"base": base})}).encode()
+        token = secrets.token_hex(8)
+        claim = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "unix": time.time(), "token": token,
+                            **({} if base is None else {"base": base})}).encode()
         try:
             while not self.storage.put_if_absent(self.name(generation, CLAIM), claim):
                 generation += 1
         except OSError as exc:  # a read-only or full file system, a folder without write permission
             raise StorageError(f"cannot claim generation {generation} (creating {generation_dir(generation)}/"
                                f"{CLAIM}): {exc.strerror or exc}", path=self.display) from exc
-        return generation
+        return generation, token
 
     def claim_token(self, generation: int) -> str | None:
         """The token of ``generation``'s claim (None where it has none or cannot be read)."""

@@ -7,6 +7,7 @@ of a second, and every field is validated on read: a hostile manifest yields a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from crc32c import crc32c
 
 from bcp.errors import CorruptCheckpointError, FormatVersionError
 from bcp.layout.dtypes import dtype_from_name, itemsize
-from bcp.layout.references import referred_generations, split_reference
+from bcp.layout.references import copied_name, referred_generations, split_reference
 from bcp.layout.shard_table import ByteRange, ShardEntry, ShardTable
 
 FORMAT_NAME = "bcp"
@@ -129,6 +130,12 @@ class Manifest:
     def earlier_generations(self) -> set[int]:
         """The earlier generations whose data files this generation's shards and records lie in."""
         return referred_generations(self.files)
+
+    def copied_as(self, generation: int) -> "Manifest":
+        """This manifest as generation ``generation`` of a checkpoint that holds a copy of every data
+        file it lists, those of earlier generations under names of their own (``copied_name``)."""
+        return dataclasses.replace(self, generation=generation, files=[copied_name(f) for f in self.files],
+                                   version=format_version(self.version >= 2))
 
     def components(self) -> set[str]:
         return {e.component for e in self.tensors.values()} | {e.component for e in self.objects.values()}

@@ -40,6 +40,16 @@ def split_reference(name: str) -> tuple[int, str] | None:
     return (int(match.group(1)), match.group(2)) if match else None
 
 
+def copied_name(name: str) -> str:
+    """The name inside a generation of its own that a copy of data file ``name`` takes: itself for
+    a file of the generation, ``data/gen-00000003-00001-00.bin`` for ``gen-00000003/data/00001-00.bin``."""
+    earlier = split_reference(name)
+    if earlier is None:
+        return name
+    head, _, tail = earlier[1].rpartition("/")
+    return f"{head or 'data'}/{generation_dir(earlier[0])}-{tail}"
+
+
 def referred_generations(files: Iterable[str]) -> set[int]:
     """The earlier generations a manifest's ``files`` lie in."""
     return {g for g in map(referred_generation, files) if g is not None}

@@ -82,7 +82,8 @@ class MemoryTier:
         folder = self._node_location(placement.nodes[coord.rank], options.role)
 
         def locate() -> NodeLocation:
-            return dataclasses.replace(folder, claimed=agree_on_generation(coord, folder, lead))
+            claimed, token = agree_on_generation(coord, folder, lead, options.incremental)
+            return dataclasses.replace(folder, claimed=claimed, token=token)
 
         persistence = None if self.persistent is None else \
             Persistence(self.persistent, self.persist_every, options.role, options.keep_generations)

@@ -7,6 +7,7 @@ and sent over the process group; the reader then checks them against their check
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Iterator
 
 from bcp.api.checkpoint import Checkpoint
@@ -20,6 +21,19 @@ from bcp.storage import LocalStorage
 from bcp.tier.overlay import OverlayStorage
 from bcp.tier.recovery import Choice
 from bcp.tier.transfer import Transfer, run_transfers
+
+
+@dataclass(frozen=True)
+class _Recovered(Location):
+    """The chosen generation's folder as read through the overlay. The census found each of its
+    files, those of the ``earlier`` generations it lists too, in a live folder that committed it
+    (``tier.recovery``): those generations count as committed here, whatever this folder holds
+    of them (a replaced node's holds copies only, or nothing)."""
+
+    earlier: frozenset[int] = frozenset()
+
+    def is_committed(self, generation: int) -> bool:
+        return generation in self.earlier or super().is_committed(generation)
 
 
 class PeerSource:
@@ -43,10 +57,11 @@ class PeerSource:
         own = {name for name, ranks in self.choice.holders.items() if coord.rank in ranks}
         storage = self.folder.storage
         assert isinstance(storage, LocalStorage)
-        self._overlay = OverlayStorage(storage, {self.folder.name(generation, name) for name in own},
-                                       {self.folder.name(generation, name): size
+        self._overlay = OverlayStorage(storage, {self.folder.data_name(generation, name) for name in own},
+                                       {self.folder.data_name(generation, name): size
                                         for name, size in self.choice.sizes.items()})
-        location = Location(self._overlay, self.folder.prefix, self.display, self.folder.keep_generations)
+        location = _Recovered(self._overlay, self.folder.prefix, self.display, self.folder.keep_generations,
+                              frozenset(manifest.earlier_generations()))
         return Checkpoint(location, generation, manifest, verify=options.verify, io_threads=options.io_threads)
 
     def _manifest_files(self, coord: Coordinator, what: str) -> list[bytes]:
@@ -81,7 +96,7 @@ class PeerSource:
         wanted += [(where.file, where.offset, where.nbytes) for entry in checkpoint.objects.values()
                    for where, _ in entry.records]
         missing = sorted({(files[f], offset, nbytes) for f, offset, nbytes in wanted
-                          if self.folder.name(self.generation, files[f]) not in overlay.local_names})
+                          if self.folder.data_name(self.generation, files[f]) not in overlay.local_names})
         what = f"fetching {self.display} from peer nodes"
         every_rank = all_agree(coord, Outcome([list(row) for row in missing]), what)
         load: dict[int, int] = defaultdict(int)
@@ -93,8 +108,8 @@ class PeerSource:
                 transfers.append(Transfer(holder, rank, name, offset, nbytes))
 
         def read(transfer: Transfer, start: int, into: memoryview) -> None:
-            self.folder.storage.read_into(self.folder.name(self.generation, transfer.name), transfer.offset + start,
-                                          into)
+            self.folder.storage.read_into(self.folder.data_name(self.generation, transfer.name),
+                                          transfer.offset + start, into)
 
         def received(transfer: Transfer, chunks: Iterator[memoryview]) -> None:
             buffer = bytearray(transfer.nbytes)
@@ -102,7 +117,7 @@ class PeerSource:
             for chunk in chunks:
                 buffer[position:position + chunk.nbytes] = chunk
                 position += chunk.nbytes
-            overlay.add(self.folder.name(self.generation, transfer.name), transfer.offset, memoryview(buffer))
+            overlay.add(self.folder.data_name(self.generation, transfer.name), transfer.offset, memoryview(buffer))
 
         moved = Outcome.of(lambda: run_transfers(coord, transfers, read, received))
         all_agree(coord, Outcome(None, moved.error), what)
