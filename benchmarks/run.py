@@ -8,8 +8,9 @@ safetensors and the disk's own floors, on one state, in one run; prints the targ
     .venv/bin/python benchmarks/run.py --only tensors     # the tensor path alone (512 MB; 1 GB with --full)
 
 Each group of cases runs in fresh processes (1 process; 2 gloo processes; 1 process for memory;
-the tensor path's 1 and 2 gloo processes), then ``planning_scale.py`` runs once. ``--size-mb``
-sets the tensor path's size too. The report and the raw results go to
+the tensor path's 1 and 2 gloo processes; 1 process for incremental saves of a 1 GB fine-tuning
+state, whatever the profile), then ``planning_scale.py`` runs once. ``--size-mb`` sets the tensor
+path's size too. The report and the raw results go to
 ``benchmarks/results/<date>-<time>-<profile>.md`` and ``.json``, which git ignores; the tracked
 ``docs/benchmarks.md`` changes only through ``benchmarks/publish.py`` (``make bench-docs``).
 """
@@ -27,7 +28,7 @@ import tempfile
 import time
 from importlib import metadata
 
-from bcpbench import distributed, memory, single, tensor_path
+from bcpbench import distributed, incremental, memory, single, tensor_path
 from bcpbench.disk import free_bytes, remove
 from bcpbench.launch import launch
 from bcpbench.record import Record
@@ -39,7 +40,7 @@ PROFILES = {
     "quick": {"size_mb": 256, "reps": 5, "small_tensors": 1000, "tensor_path_mb": 512, "timeout_s": 1800},
     "full": {"size_mb": 2048, "reps": 5, "small_tensors": 2000, "tensor_path_mb": 1024, "timeout_s": 7200},
 }
-GROUPS = ("single", "distributed", "memory", "tensors", "planning")
+GROUPS = ("single", "distributed", "memory", "tensors", "incremental", "planning")
 
 
 def parse() -> argparse.Namespace:
@@ -112,7 +113,8 @@ def main() -> None:
 def _run_groups(only: list[str], config: dict, timeout_s: float) -> Record:
     record = Record()
     for name, fn, world in (("single", single.run, 1), ("distributed", distributed.run, 2), ("memory", memory.run, 1),
-                            ("tensors", tensor_path.one_process, 1), ("tensors", tensor_path.two_processes, 2)):
+                            ("tensors", tensor_path.one_process, 1), ("tensors", tensor_path.two_processes, 2),
+                            ("incremental", incremental.run, 1)):
         if name in only:
             print(f"[bench] {name}: {world} process(es), {config['reps']} reps", flush=True)
             t0 = time.time()
@@ -122,8 +124,9 @@ def _run_groups(only: list[str], config: dict, timeout_s: float) -> Record:
 
 
 def _check_room(workdir: str, size_bytes: int) -> None:
-    """Up to three generations of the memory case exist at once, plus one spare state."""
-    need = 4 * size_bytes + (1 << 30)
+    """Up to three generations of the memory case exist at once, plus one spare state; the
+    incremental case holds about 4 GB at once (its four methods' files)."""
+    need = max(4 * size_bytes + (1 << 30), 6 << 30)
     if free_bytes(workdir) < need:
         remove(workdir)
         raise SystemExit(f"{workdir}: {free_bytes(os.path.dirname(workdir)) / 1e9:.1f} GB free, "

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bcpbench import distributed as d2
-from bcpbench import fsdp1
+from bcpbench import fsdp1, incremental
 from bcpbench import single as d1
 from bcpbench import tensor_path as tp
 from bcpbench.methods import FIRST_SAVE
@@ -46,6 +46,7 @@ def blocks(record: Record, run: dict[str, Any]) -> dict[str, tuple[str, list[str
         "tensors": ("Where the tensors are held", lambda: _tensor_path(record)),
         "overhead": ("Per-tensor overhead and phases", lambda: _per_tensor(record) + _phases(record)),
         "planning": ("Planning at scale", lambda: _planning_scale(run.get("planning_scale"))),
+        "incremental": ("Incremental saves", lambda: incremental.report_lines(record)),
         "reading": ("Reading a missed target", _reading),
     }
     return {name: (title, make()) for name, (title, make) in makers.items()}

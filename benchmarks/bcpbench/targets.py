@@ -8,6 +8,7 @@ import statistics
 from dataclasses import dataclass
 
 from bcpbench import distributed as d2
+from bcpbench import incremental as inc
 from bcpbench import single as d1
 from bcpbench import tensor_path as tp
 from bcpbench.methods import FIRST_SAVE
@@ -120,4 +121,17 @@ def checks(record: Record, scale: dict | None = None) -> list[Check]:
                          1.1, False))
     out.append(Check("data bytes written vs the state's (each byte once)", f"{tp.SAVE_2P}: {tp.EMA}",
                      written_share(record, tp.EMA), 1.01, False))
-    return out
+    return out + incremental_checks(record)
+
+
+def incremental_checks(record: Record) -> list[Check]:
+    """Incremental saves against the trainable part saved alone (time and bytes, the ratio of the
+    two: lower is better), and the load of their last generation against a whole checkpoint's."""
+    return [Check("incremental save time / the trainable part alone's", inc.LATER,
+                  ratio(record.median(inc.LATER, inc.INCREMENTAL), record.median(inc.LATER, inc.TRAINABLE)), 1.2,
+                  False),
+            Check("incremental bytes written / the trainable part alone's", inc.LATER,
+                  ratio(inc.written_bytes(record, inc.INCREMENTAL), inc.written_bytes(record, inc.TRAINABLE)), 1.2,
+                  False),
+            Check("load of save 5, incremental vs whole", inc.LOAD,
+                  ratio(record.median(inc.LOAD, inc.WHOLE), record.median(inc.LOAD, inc.INCREMENTAL)), 0.9, True)]

@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 import bcp
 import bcp_accelerate
 from accelerate_helpers import assert_restored, build, scramble_rng, session, snapshot, train
 from bcp.integration import checkpoint_location, open_checkpoint
+from models import assert_bitwise
 
 
 def kept(folder: str) -> list[int]:
@@ -74,3 +76,27 @@ def test_keep_generations_must_be_positive():
     with session() as accelerator:
         with pytest.raises(bcp.CheckpointError, match="keep_generations must be an integer >= 1"):
             bcp_accelerate.enable(accelerator, keep_generations=0)
+
+
+def save_incrementally(folder: str) -> dict:
+    """Two saves into one folder with ``incremental=True``: the second writes the one tensor changed."""
+    with session() as accelerator:
+        bcp_accelerate.enable(accelerator, incremental=True)
+        model, optimizer, scheduler = build(accelerator, seed=1)
+        train(accelerator, model, optimizer, scheduler, range(2))
+        accelerator.save_state(folder)
+        with torch.no_grad():
+            accelerator.unwrap_model(model).mlp.fc2.bias.add_(1)
+        accelerator.save_state(folder)
+        expected = snapshot(accelerator, model, optimizer, scheduler)
+        newest = open_checkpoint(folder).manifest
+    with session("bcp") as accelerator:
+        model, optimizer, scheduler = build(accelerator, seed=2)
+        accelerator.load_state(folder)
+        assert_bitwise(expected["tensors"], snapshot(accelerator, model, optimizer, scheduler)["tensors"])
+    return {"version": newest.version, "earlier": sorted(newest.earlier_generations())}
+
+
+def test_enable_incremental_writes_only_what_changed_into_a_folder_saved_again(ranks, tmp_path):
+    for result in ranks(2).run(save_incrementally, str(tmp_path / "state")):
+        assert result == {"version": 3, "earlier": [1]}

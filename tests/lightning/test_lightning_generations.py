@@ -59,3 +59,20 @@ def test_a_trainer_resumes_from_an_older_kept_generation(tmp_path, strategy):
         assert min(rolled_back["losses"]) == step + 1
         assert rolled_back["losses"] == {s: reference["losses"][s] for s in rolled_back["losses"]}
     assert checkpoint_location(last, None).generations() == [2, 3]
+
+
+@pytest.mark.parametrize("how", ["plugin", "storage_options"])
+def test_incremental_saves_of_last_ckpt_write_only_what_changed(tmp_path, how):
+    path = str(tmp_path / "last.ckpt")
+    plugin = BCPCheckpointIO(keep_generations=1, incremental=how == "plugin")
+    overrides = {"incremental": True} if how == "storage_options" else None
+    frozen = torch.arange(300_000, dtype=torch.float32)
+    for step in range(3):
+        checkpoint = {"state_dict": {"frozen": frozen, "head": torch.full((3,), float(step))}, "global_step": step}
+        plugin.save_checkpoint(checkpoint, path, storage_options=overrides)
+    newest = open_checkpoint(path).manifest
+    assert newest.version == 3 and newest.earlier_generations() == {1}  # the frozen tensor's bytes stay in 1
+    assert checkpoint_location(path, None).generations() == [1, 3]
+    state = {"model": {"frozen": torch.zeros(300_000), "head": torch.zeros(3)}}
+    bcp.load(path, state, strict=False)
+    assert torch.equal(state["model"]["frozen"], frozen) and torch.equal(state["model"]["head"], torch.full((3,), 2.0))

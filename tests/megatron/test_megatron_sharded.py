@@ -352,3 +352,26 @@ def test_a_folder_saved_again_keeps_the_generations_asked_for(ranks, tmp_path, k
     if keep == 2:
         older = bcp.tools.open_checkpoint(str(path), generation=kept[0])
         assert torch.equal(older.read("model/test.regular"), REGULAR)
+
+
+def save_incrementally(path: str) -> list[int]:
+    """Three saves into one folder with ``incremental=True``: every tensor changed behind torch's
+    version counter (``.data``), then nothing changed."""
+    from megatron.core import dist_checkpointing
+
+    state = sharded_state(dist.get_rank())
+    strategy = bcp_megatron.BcpSaveShardedStrategy(incremental=True)
+    dist_checkpointing.save(state, path, sharded_strategy=strategy)
+    for tensor in _tensors(state):
+        tensor.data.add_(1)
+    dist_checkpointing.save(state, path, sharded_strategy=strategy)
+    dist_checkpointing.save(state, path, sharded_strategy=strategy)
+    return [bcp.tools.open_checkpoint(path, generation=g).manifest.version for g in (2, 3)]
+
+
+def test_incremental_saves_of_a_folder_write_what_changed_behind_the_version_counter(ranks, tmp_path):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    versions = ranks(2).run(save_incrementally, str(path))[0]
+    assert versions == [1, 3]  # the second save wrote everything again, the third nothing
+    assert torch.equal(bcp.tools.open_checkpoint(str(path)).read("model/test.regular"), REGULAR + 1)

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bcpbench import distributed as d2  # noqa: E402
 from bcpbench import fsdp1  # noqa: E402
+from bcpbench import incremental as inc  # noqa: E402
 from bcpbench import single as d1  # noqa: E402
 from bcpbench import tensor_path  # noqa: E402
 from bcpbench.publish import PublishError, begin_marker, end_marker, marked_names  # noqa: E402
@@ -29,6 +30,7 @@ PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
 
 def a_run(profile: str = "full", cases: tuple[str, ...] | None = None) -> dict:
     """A small run of every path (or only ``cases``) with recognisable figures."""
+    every = cases is None
     cases = cases or (d1.SAVE, d1.COLD, d1.ASYNC_BLOCK, fsdp1.BLOCKING, d2.RESHARDED, tensor_path.SAVE_1P)
     methods = {"bcp": [1.25], "DCP": [2.5], "raw write/read, 4 threads": [1.0]}
     samples = {case: dict(methods) for case in cases}
@@ -38,6 +40,11 @@ def a_run(profile: str = "full", cases: tuple[str, ...] | None = None) -> dict:
            "machine": {"cores": 64, "ram_gb": 512, "load_before": "0.1", "load_after": "0.2", "disk_free_gb": 900},
            "planning_scale": {"ranks": 8960, "coordinator_total_s": 7.77}}
     figures = {"bcp save phases, 1p": [{"collect": 0.1, "plan": 0.01, "write": 1.0, "commit": 0.02}]}
+    if every:  # the incremental saves' path too
+        samples.update({case: {inc.INCREMENTAL: [0.05], inc.TRAINABLE: [0.045]} for case in (inc.FIRST, inc.LATER)})
+        samples[inc.LOAD] = {inc.INCREMENTAL: [1.0], inc.WHOLE: [1.0]}
+        figures["fine-tuning state"] = {"parameters": 268 * 10**6, "trainable": 2_680_000, "rank": 14, "tensors": 166}
+        figures.update({f"fine-tuning bytes written: {m}": [1.1e9] + [3.2e7] * 4 for m in (inc.INCREMENTAL, inc.TRAINABLE)})
     return {"run": run, "samples": samples, "nbytes": {case: 2131 * 10**6 for case in cases}, "figures": figures}
 
 

@@ -61,7 +61,8 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLi
                  f"writing accelerate's files to {folder}")
 
     bcp.save(folder, state_to_save(accelerator, saved_models, files=files_dir), topology=process_topology(accelerator),
-             keep_generations=generations.kept(accelerator), step=accelerator.step).wait()
+             keep_generations=generations.kept(accelerator), incremental=generations.incremental(accelerator),
+             step=accelerator.step).wait()
 
     # Every rank waits for the clean-up so that none looks at folders being deleted.
     on_all_ranks(lambda: _clean_up(accelerator, folder, files_dir), f"removing what {folder} replaced")

@@ -1,5 +1,6 @@
-"""How many committed generations ``save_state`` keeps in a checkpoint folder it writes again, per
-accelerator (set by ``bcp_accelerate.enable(..., keep_generations=)``)."""
+"""How ``save_state`` treats a checkpoint folder (or memory tier) it writes again, per accelerator
+(set by ``bcp_accelerate.enable(..., keep_generations=, incremental=)``): how many committed
+generations it keeps, and whether a new one writes only what changed."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from bcp import CheckpointError, SaveOptions
 DEFAULT_KEEP_GENERATIONS = SaveOptions().keep_generations
 
 _ATTRIBUTE = "_bcp_keep_generations"
+_INCREMENTAL = "_bcp_incremental"
 
 
 def set_kept(accelerator: Any, keep_generations: int) -> None:
@@ -22,3 +24,13 @@ def set_kept(accelerator: Any, keep_generations: int) -> None:
 
 def kept(accelerator: Any) -> int:
     return getattr(accelerator, _ATTRIBUTE, DEFAULT_KEEP_GENERATIONS)
+
+
+def set_incremental(accelerator: Any, incremental: bool) -> None:
+    if type(incremental) is not bool:
+        raise CheckpointError(f"incremental must be True or False, not {incremental!r}")
+    setattr(accelerator, _INCREMENTAL, incremental)
+
+
+def incremental(accelerator: Any) -> bool:
+    return getattr(accelerator, _INCREMENTAL, False)

@@ -21,7 +21,7 @@ import accelerate
 from accelerate.utils.constants import RNG_STATE_NAME
 
 import bcp
-from bcp_accelerate import engine, hooks
+from bcp_accelerate import engine, generations, hooks
 from bcp_accelerate.consensus import on_all_ranks
 
 #: The bcp component holding, per process, the bytes of accelerate's files by file name.
@@ -56,7 +56,8 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: Any = None, safe
     files = _written_files(lambda folder: engine.save_accelerate_files(accelerator, folder, safe_serialization))
     state = engine.state_to_save(accelerator, saved_models, files=None)
     state[FILES] = files
-    bcp.save(tier, state, topology=engine.process_topology(accelerator), step=accelerator.step).wait()
+    bcp.save(tier, state, topology=engine.process_topology(accelerator), step=accelerator.step,
+             incremental=generations.incremental(accelerator)).wait()
     accelerator.project_configuration.iteration += 1
     return tier
 

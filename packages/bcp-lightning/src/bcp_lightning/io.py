@@ -46,6 +46,8 @@ class CheckpointIOMixin:
     ``keep_generations=N`` keeps the N newest committed generations of a path saved again
     (``last.ckpt``); ``load_generation=G`` makes the loads through this plugin (``ckpt_path=``
     resumes) read the kept generation G instead of the newest: a roll-back after a loss spike.
+    ``incremental=True`` writes, at each save of a path saved again (``last.ckpt``, a memory tier),
+    only the tensors whose bytes changed since its previous generation (``docs/incremental.md``).
 
     ``memory_tier``: a ``bcp.MemoryTier`` that the checkpoint path ``bcp_lightning.MEMORY_TIER``
     names (node memory, replicated to peer nodes, persisted every few saves).
@@ -60,14 +62,15 @@ class CheckpointIOMixin:
     def __init__(self, *, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
                  verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS,
                  keep_generations: int = DEFAULT_KEEP_GENERATIONS, load_generation: int | None = None,
-                 memory_tier: "bcp.MemoryTier | None" = None) -> None:
+                 memory_tier: "bcp.MemoryTier | None" = None, incremental: bool = False) -> None:
         super().__init__()
         if memory_tier is not None and not targets.is_tier(memory_tier):
             raise TypeError(f"memory_tier takes a bcp.MemoryTier, got {type(memory_tier).__name__}")
         self.memory_tier = memory_tier
         self.options = Options.of(async_save=async_save, allow_pickle=allow_pickle, verify=verify,
                                   verify_replicas=verify_replicas, io_threads=io_threads,
-                                  keep_generations=keep_generations, load_generation=load_generation)
+                                  keep_generations=keep_generations, load_generation=load_generation,
+                                  incremental=incremental)
         self._pending = PendingSaves()
         self.last_load: bcp.LoadResult | None = None
         loader_states.install()  # shuffled train loaders: follow their draws from the first fit on

@@ -25,7 +25,8 @@ class Options:
     @staticmethod
     def of(*, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
            verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS,
-           keep_generations: int = DEFAULT_KEEP_GENERATIONS, load_generation: int | None = None) -> "Options":
+           keep_generations: int = DEFAULT_KEEP_GENERATIONS, load_generation: int | None = None,
+           incremental: bool = False) -> "Options":
         """``async_save``: return from a save once bcp has staged it in host memory (it commits in
         the background, in call order; pending saves are waited for before a load, before their path
         is removed, at teardown and at exit). ``allow_pickle``: let values outside bcp's safe
@@ -33,10 +34,11 @@ class Options:
         ``keep_generations``: committed generations kept when one checkpoint path is saved again
         (``last.ckpt``); each costs the checkpoint's size on disk. ``load_generation``: the kept
         generation that loads read instead of the newest (a roll-back; ``bcp inspect`` lists them).
-        The others as in ``bcp.SaveOptions``/``bcp.LoadOptions``."""
+        ``incremental``: a path saved again (``last.ckpt``) gets only the tensors that changed written
+        (``docs/incremental.md``). The others as in ``bcp.SaveOptions``/``bcp.LoadOptions``."""
         return Options(save=bcp.SaveOptions(async_save=async_save, allow_pickle=allow_pickle,
                                             verify_replicas=verify_replicas, io_threads=io_threads,
-                                            keep_generations=keep_generations),
+                                            keep_generations=keep_generations, incremental=incremental),
                        load=bcp.LoadOptions(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads,
                                             generation=load_generation))
 
@@ -44,7 +46,7 @@ class Options:
 #: The ``storage_options`` keys a save honours, with the type each value must have. They override
 #: the plugin's options for that one save.
 STORAGE_OPTION_TYPES: dict[str, type] = {
-    "async_save": bool, "allow_pickle": bool, "verify_replicas": bool, "io_threads": int,
+    "async_save": bool, "allow_pickle": bool, "verify_replicas": bool, "io_threads": int, "incremental": bool,
 }
 
 

@@ -46,10 +46,11 @@ class BcpSaveShardedStrategy(TorchDistSaveShardedStrategy):
 
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, allow_pickle: bool = False,
                  io_threads: int = DEFAULT_IO_THREADS, coordinator: Coordinator | None = None,
-                 keep_generations: int = DEFAULT_KEEP_GENERATIONS) -> None:
+                 keep_generations: int = DEFAULT_KEEP_GENERATIONS, incremental: bool = False) -> None:
         super().__init__(backend, version)
         self.saver = BcpSaver(bcp.SaveOptions(allow_pickle=allow_pickle, io_threads=io_threads,
-                                              coordinator=coordinator, keep_generations=keep_generations))
+                                              coordinator=coordinator, keep_generations=keep_generations,
+                                              incremental=incremental))
 
     def can_handle_sharded_objects(self) -> bool:
         return True

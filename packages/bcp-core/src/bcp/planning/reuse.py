@@ -28,6 +28,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 from bcp.engine.bytes_of import byte_view, host_contiguous
@@ -67,7 +68,8 @@ class Seen:
 
     @staticmethod
     def of(tensor: torch.Tensor) -> "Seen":
-        return Seen(tensor.untyped_storage().data_ptr(), tensor.data_ptr(), tensor._version,
+        address = tensor.data_ptr()  # the storage's own address follows, without making its Python object
+        return Seen(address - tensor.storage_offset() * tensor.element_size(), address, tensor._version,
                     (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.device))
 
     def same_memory(self, other: "Seen") -> bool:
@@ -156,13 +158,12 @@ class Reuse:
         for rows, files in ((report.pieces, [f"{generation_folder}/{f}" for f in report.files]),
                             (report.reused, report.earlier_files)):
             parts = {row: tuple(offsets) for row, offsets, _ in rows.parts}
-            crc_at = 0
-            for row, (index, (file, offset, nbytes), count) in enumerate(zip(rows.index.tolist(), rows.where.tolist(),
-                                                                            rows.crc_counts.tolist())):
+            crcs = rows.crcs.tolist()
+            ends = np.cumsum(rows.crc_counts).tolist()
+            for row, (index, (file, offset, nbytes), end, count) in enumerate(zip(
+                    rows.index.tolist(), rows.where.tolist(), ends, rows.crc_counts.tolist())):
                 key, seen = self.seen[(index, parts.get(row))]
-                out[key] = Remembered(Stored(files[file], offset, nbytes, tuple(rows.crcs[crc_at:crc_at + count].tolist())),
-                                      seen)
-                crc_at += count
+                out[key] = Remembered(Stored(files[file], offset, nbytes, tuple(crcs[end - count:end])), seen)
         return out
 
 
@@ -200,9 +201,11 @@ def decide(writes: list[PieceWrite], pieces: list[Piece], base: dict[Key, Rememb
 def _chunk_matches(tensor: torch.Tensor, crcs: tuple[int, ...], index: int, chunk: int) -> bool:
     """Whether chunk ``index`` of the (contiguous) tensor's bytes has checksum ``crcs[index]``; only
     that chunk is read (copied off a device)."""
+    if tensor.device.type == "cpu":
+        return chunk_crcs(byte_view(tensor)[index * chunk:(index + 1) * chunk], chunk) == [crcs[index]]
     per = chunk // tensor.element_size()
-    part = tensor.reshape(-1)[index * per:(index + 1) * per]
-    return chunk_crcs(byte_view(host_contiguous(part)), chunk) == [crcs[index]]
+    return chunk_crcs(byte_view(host_contiguous(tensor.reshape(-1)[index * per:(index + 1) * per])),
+                      chunk) == [crcs[index]]
 
 
 class ReuseMemory:
