@@ -276,7 +276,10 @@ class Location:
         try:
             if self.storage.size(self.name(generation, MANIFEST)) > MAX_MANIFEST_BYTES:
                 return set()
-            doc = json.loads(self.storage.read_bytes(self.name(generation, MANIFEST)))
+            data = self.storage.read_bytes(self.name(generation, MANIFEST))
+            if b'"gen-' not in data:  # no file of an earlier generation can be listed: skip parsing
+                return set()
+            doc = json.loads(data)
             version = doc.get("version")
             files = doc.get("files") if type(version) is int and version >= EARLIER_FILES_VERSION else []
             return {g for g in referred_generations(f for f in files if isinstance(f, str)) if g < generation}
