@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
+from torch import nn
 
 from bcp.adapters.dataloader import COMPONENT as DATALOADER
 from bcp.adapters.dataloader import DataloaderState, check_writers
@@ -42,8 +43,8 @@ from bcp.layout.local_plan import LocalPlan
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.piece import Piece
 from bcp.layout.shards import is_tensor_value
-from bcp.layout.write_plan import RankAssignment, ValueWrite
 from bcp.layout.references import generation_dir
+from bcp.layout.write_plan import RankAssignment, ValueWrite
 from bcp.layout.write_report import RankWrites
 from bcp.planning import plain_tensors
 from bcp.planning.assembly import assemble_manifest
@@ -55,7 +56,6 @@ from bcp.planning.save_plan import PlanColumns, global_plan, structure_key, writ
 from bcp.planning.shared_values import digests, encoded_value, values_to_write
 from bcp.storage import Storage
 from bcp.version import __version__
-from torch import nn
 
 logger = logging.getLogger("bcp")
 
