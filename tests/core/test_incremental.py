@@ -257,3 +257,18 @@ def test_a_bcp_that_reads_only_earlier_versions_refuses_a_version_3_checkpoint(t
     monkeypatch.setattr(manifest, "SUPPORTED_VERSIONS", (1, 2))
     with pytest.raises(bcp.FormatVersionError, match="format version 3 is not readable by this bcp"):
         bcp.load(tmp_path, {"model": build_lora("plain", seed=2)[0]})
+
+
+def test_a_process_remembers_the_saves_of_a_few_paths_only(tmp_path):
+    from bcp.planning.reuse import ReuseMemory
+
+    memory = ReuseMemory()
+    for path in range(ReuseMemory.PLACES + 3):  # top-k checkpoints: a new path at each save
+        for generation in (1, 2, 3, 4):
+            memory.remember((f"path-{path}", "channel"), generation, {}, memory.epoch)
+            memory.claimed(f"path-{path}", generation, "token")
+    assert memory.generations(("path-0", "channel")) == [] and memory.claim_token("path-0", 4) is None
+    newest = (f"path-{ReuseMemory.PLACES + 2}", "channel")
+    assert memory.generations(newest) == [2, 3, 4] and memory.claim_token(newest[0], 4) == "token"
+    memory.remember(newest, 5, {}, memory.epoch - 1)  # seen before a load: not remembered
+    assert memory.generations(newest) == [2, 3, 4]

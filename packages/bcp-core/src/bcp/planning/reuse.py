@@ -215,6 +215,9 @@ class ReuseMemory:
 
     #: Generations remembered per place: the base of the next save, and asynchronous saves in flight.
     KEEP = 3
+    #: Places remembered (the most recently saved): saves to a new path each time (top-k checkpoints)
+    #: would otherwise add one each, for as long as the process runs.
+    PLACES = 8
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -231,10 +234,13 @@ class ReuseMemory:
         with self._lock:
             if epoch != self._epoch:
                 return
-            saved = self._saved.setdefault(place, {})
+            saved = self._saved.pop(place, {})
+            self._saved[place] = saved  # the most recent place last
             saved[generation] = boxes
             for old in sorted(saved)[:-self.KEEP]:
                 del saved[old]
+            for old in list(self._saved)[:-self.PLACES]:
+                del self._saved[old]
 
     def recalled(self, place: Any, generation: int) -> dict[Key, Remembered] | None:
         with self._lock:
@@ -246,10 +252,13 @@ class ReuseMemory:
 
     def claimed(self, target: str, generation: int, token: str) -> None:
         with self._lock:
-            claims = self._claims.setdefault(target, {})
+            claims = self._claims.pop(target, {})
+            self._claims[target] = claims
             claims[generation] = token
             for old in sorted(claims)[:-self.KEEP]:
                 del claims[old]
+            for old in list(self._claims)[:-self.PLACES]:
+                del self._claims[old]
 
     def claim_token(self, target: str, generation: int) -> str | None:
         with self._lock:
