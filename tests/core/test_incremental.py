@@ -260,7 +260,7 @@ def test_a_bcp_that_reads_only_earlier_versions_refuses_a_version_3_checkpoint(t
 
 
 def test_a_process_remembers_the_saves_of_a_few_paths_only(tmp_path):
-    from bcp.planning.reuse import ReuseMemory
+    from bcp.planning.reuse_memory import ReuseMemory
 
     memory = ReuseMemory()
     for path in range(ReuseMemory.PLACES + 3):  # top-k checkpoints: a new path at each save

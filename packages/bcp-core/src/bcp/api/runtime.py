@@ -37,7 +37,7 @@ from bcp.engine.load_staging import LoadStagingPool
 from bcp.engine.shared_memory import shared_memory_available
 from bcp.engine.staging import HostBufferPool
 from bcp.planning.plan_cache import PlanCache
-from bcp.planning.reuse import ReuseMemory
+from bcp.planning.reuse_memory import ReuseMemory
 
 #: After a Ctrl-C at exit, how long the abandoned saves get to stop and remove their files.
 ABANDON_WAIT_S = 30.0

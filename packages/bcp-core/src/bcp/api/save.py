@@ -289,7 +289,7 @@ class _Proposal:
     written), a digest of each of its per-rank values (identical ones are written once,
     ``planning.shared_values``) and of each of its plain tensors (``planning.plain_tensors``). For
     an incremental save: (rank 0) the base generation and whether its claim was this process's, and
-    the generations this rank remembers saving at the path (``planning.reuse.ReuseMemory``)."""
+    the generations this rank remembers saving at the path (``planning.reuse_memory``)."""
 
     cache_hit: bool
     cached_kinds: int | None
