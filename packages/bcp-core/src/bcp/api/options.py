@@ -76,7 +76,8 @@ class SaveOptions(_CommonOptions):
     """Check, by checksum, that replicated tensors agree across ranks."""
     keep_generations: int = DEFAULT_KEEP_GENERATIONS
     """Committed generations kept at the path after each save (at least 1): a reader of the previous
-    one is not broken by the next save's retention."""
+    one is not broken by the next save's retention. Generations whose files a kept one refers to
+    (``incremental``) are kept too."""
     step: int | None = None
     """The training step this save is taken at (a non-negative integer), recorded in the generation's
     manifest and listed by ``bcp inspect``; the integrations set it. Only the coordinating rank's is kept."""
