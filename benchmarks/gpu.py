@@ -135,9 +135,9 @@ def start(args: argparse.Namespace) -> Run:
         device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)))
         torch.accelerator.set_device_index(device.index)
         backend = "cpu:gloo,cuda:nccl"  # DCP's async_save needs a CPU backend in the default group
-    if "MASTER_ADDR" in os.environ:
+    if world > 1:
         dist.init_process_group(backend, rank=rank, world_size=world)
-    else:  # one process on its own: an in-process store, no port another process could take first
+    else:  # one process: an in-process store, no port another process could take first
         dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world)
     workdir = [args.workdir or (tempfile.mkdtemp(prefix="gpu-", dir=_results()) if rank == 0 else None)]
     dist.broadcast_object_list(workdir)

@@ -18,7 +18,9 @@ SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
 
 def check(tmp_path, **env: str) -> subprocess.CompletedProcess:
     """The script with this interpreter (and ``env``); its figures go to a folder of the test."""
-    environment = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels"), **env}
+    launched = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")  # as from a shell, not a job
+    environment = {name: value for name, value in os.environ.items() if name not in launched}
+    environment.update(PYTHON=sys.executable, GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"), **env)
     return subprocess.run([SCRIPT], env=environment, capture_output=True, text=True, timeout=280)
 
 

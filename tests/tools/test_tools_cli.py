@@ -11,7 +11,7 @@ import pytest
 
 from bcp.cli import build_parser, main
 
-COMMANDS = ["inspect", "verify", "export", "convert", "edit", "report"]
+COMMANDS = ["inspect", "verify", "export", "convert", "edit", "copy", "report"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
