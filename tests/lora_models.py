@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import bcp
-from models import assert_bitwise, batch, full_state, rank, world
+from models import assert_bitwise, full_state, rank, train
 
 
 class LoraMLP(nn.Module):
@@ -47,16 +47,6 @@ def build_lora(kind: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 
 
-def train_lora(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> None:
-    data_parallel = world() > 1
-    for step in steps:
-        x, y = batch(step, data_parallel)
-        loss = nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-
 def frozen_nbytes(model: nn.Module) -> int:
     """Bytes of the whole frozen base (every rank's shards)."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
@@ -72,7 +62,7 @@ def save_fine_tuning(kind: str, path: Any, async_save: bool, env: dict[str, str]
     model, optimizer = build_lora(kind, seed=1)
     out = []
     for save in range(SAVES):
-        train_lora(model, optimizer, range(2 * save, 2 * save + 2))
+        train(model, optimizer, range(2 * save, 2 * save + 2))
         handle = bcp.save(path, {"model": model, "optimizer": optimizer, "extra_state": {"save": save}},
                           incremental=True, keep_generations=SAVES, async_save=async_save)
         handle.wait()
@@ -86,7 +76,7 @@ def save_fine_tuning(kind: str, path: Any, async_save: bool, env: dict[str, str]
 def load_generation(kind: str, path: Any, generation: int | None, env: dict[str, str] | None = None) -> dict:
     os.environ.update(env or {})
     model, optimizer = build_lora(kind, seed=2)
-    train_lora(model, optimizer, range(1))  # live optimizer state to be replaced
+    train(model, optimizer, range(1))  # live optimizer state to be replaced
     state = {"model": model, "optimizer": optimizer, "extra_state": None}
     result = bcp.load(path, state, generation=generation)
     loaded = full_state(model, optimizer)  # collective

@@ -11,8 +11,8 @@ import torch
 
 import bcp
 from bcp.tools import open_checkpoint
-from lora_models import SAVES, assert_round_trip, build_lora, frozen_nbytes, save_fine_tuning, train_lora
-from models import assert_bitwise, full_state
+from lora_models import SAVES, assert_round_trip, build_lora, frozen_nbytes, save_fine_tuning
+from models import assert_bitwise, full_state, train
 
 @pytest.mark.parametrize("kind,async_save", [("fsdp2", False), ("ddp", True)])
 def test_a_frozen_base_saved_three_times_on_two_ranks_loads_bitwise_on_one_and_three(ranks, tmp_path, kind,
@@ -27,7 +27,7 @@ def test_a_frozen_base_saved_three_times_on_two_ranks_loads_bitwise_on_one_and_t
 def test_later_generations_list_the_first_generations_files_and_never_chain(tmp_path):
     model, optimizer = build_lora("plain", seed=1)
     for save in range(4):
-        train_lora(model, optimizer, range(save, save + 1))
+        train(model, optimizer, range(save, save + 1))
         bcp.save(tmp_path, {"model": model, "optimizer": optimizer}, incremental=True, keep_generations=4)
     files = {g: json.loads((tmp_path / f"gen-{g:08d}" / "manifest.json").read_text())["files"] for g in (1, 2, 3, 4)}
     assert files[1] == ["data/00000-00.bin"]
@@ -38,7 +38,7 @@ def test_later_generations_list_the_first_generations_files_and_never_chain(tmp_
 def _fine_tuning(path, **options) -> tuple:
     model, optimizer = build_lora("plain", seed=1)
     state = {"model": model, "optimizer": optimizer}
-    train_lora(model, optimizer, range(1))
+    train(model, optimizer, range(1))
     bcp.save(path, state, incremental=True, **options)
     return model, optimizer, state
 
@@ -60,7 +60,7 @@ class _Checksummed:
 
 def test_an_untouched_frozen_base_is_not_read_and_trained_tensors_are_written_unread(tmp_path, monkeypatch):
     model, optimizer, state = _fine_tuning(tmp_path)
-    train_lora(model, optimizer, range(1, 2))
+    train(model, optimizer, range(1, 2))
     checksummed = _Checksummed(monkeypatch)
     handle = bcp.save(tmp_path, state, incremental=True)
     frozen = frozen_nbytes(model)
@@ -163,7 +163,7 @@ def test_an_asynchronous_incremental_save_stages_only_what_it_writes(tmp_path):
     from bcp.api.runtime import runtime
 
     model, optimizer, state = _fine_tuning(tmp_path)  # synchronous: no host buffer yet
-    train_lora(model, optimizer, range(1, 2))
+    train(model, optimizer, range(1, 2))
     handle = bcp.save(tmp_path, state, incremental=True, async_save=True)
     handle.wait()
     assert handle.stats.reused_bytes == frozen_nbytes(model)
@@ -178,14 +178,14 @@ def test_the_oldest_generation_stays_while_a_kept_one_refers_to_its_bytes(tmp_pa
     state = {"model": model, "optimizer": optimizer}
     expected = {}
     for save in range(1, 5):
-        train_lora(model, optimizer, range(save, save + 1))
+        train(model, optimizer, range(save, save + 1))
         bcp.save(tmp_path, state, incremental=True)
         expected[save] = full_state(model, optimizer)
     # generation 2 is gone; 1 is older than the two kept, but they refer to its bytes
     assert _generations(tmp_path) == [1, 3, 4]
     for generation in (1, 3, 4):
         live, live_optimizer = build_lora("plain", seed=2)
-        train_lora(live, live_optimizer, range(1))
+        train(live, live_optimizer, range(1))
         bcp.load(tmp_path, {"model": live, "optimizer": live_optimizer}, generation=generation)
         assert_bitwise(expected[generation], full_state(live, live_optimizer))
     assert bcp.tools.verify_checkpoint(tmp_path).ok

@@ -14,8 +14,8 @@ import torch
 
 import bcp
 from dying_coordinator import die
-from lora_models import build_lora, train_lora
-from models import assert_bitwise, full_state
+from lora_models import build_lora
+from models import assert_bitwise, full_state, train
 
 pytestmark = pytest.mark.distributed  # processes of its own, outside the rank pool
 
@@ -26,10 +26,10 @@ def _saves(root: str, death: str) -> None:
     model, optimizer = build_lora("plain", seed=1)
     state = {"model": model, "optimizer": optimizer}
     for save in range(2):
-        train_lora(model, optimizer, range(save, save + 1))
+        train(model, optimizer, range(save, save + 1))
         bcp.save(root, state, incremental=True, keep_generations=1)
     torch.save(full_state(model, optimizer), os.path.join(root, "expected-2.pt"))
-    train_lora(model, optimizer, range(2, 3))
+    train(model, optimizer, range(2, 3))
     with torch.no_grad():
         model.base2.weight[0] += 1  # the third save writes a frozen tensor again, beside the adapters
     torch.save(full_state(model, optimizer), os.path.join(root, "expected-3.pt"))
@@ -61,7 +61,7 @@ def _generations(root: str) -> list[int]:
 
 def _loaded(root: str, **options) -> dict:
     model, optimizer = build_lora("plain", seed=2)
-    train_lora(model, optimizer, range(1))
+    train(model, optimizer, range(1))
     result = bcp.load(root, {"model": model, "optimizer": optimizer}, **options)
     return {"generation": result.generation, "state": full_state(model, optimizer)}
 

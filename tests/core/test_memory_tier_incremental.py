@@ -39,10 +39,11 @@ def test_a_frozen_base_saved_three_times_to_the_tier_loads_bitwise_on_one_and_th
 
 def save_after_replacement(root: str, saves: list) -> dict:
     """One more incremental save by the same processes, node b's folder emptied (replaced) before."""
-    from lora_models import build_lora, train_lora
+    from lora_models import build_lora
+    from models import train
 
     model, optimizer = build_lora("fsdp2", seed=1)
-    train_lora(model, optimizer, range(9))
+    train(model, optimizer, range(9))
     handle = bcp.save(_tier(root, ["a", "b"]), {"model": model, "optimizer": optimizer, "extra_state": {"save": 9}},
                       incremental=True)
     from models import full_state, rank

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import bcp
 from bcp.storage import storage_for
-from lora_models import assert_round_trip, build_lora, save_fine_tuning, train_lora
+from lora_models import assert_round_trip, build_lora, save_fine_tuning
+from models import train
 
 
 def test_a_frozen_base_saved_three_times_to_s3_on_two_ranks_loads_bitwise_on_one_and_three(ranks, s3_url, s3_env):
@@ -20,7 +21,7 @@ def test_retention_on_s3_keeps_the_objects_a_kept_generation_refers_to(s3_url, s
     url = f"{s3_url}/kept"
     model, optimizer = build_lora("plain", seed=1)
     for save in range(3):
-        train_lora(model, optimizer, range(save, save + 1))
+        train(model, optimizer, range(save, save + 1))
         # each save's base is the generation committed when it starts: the previous one, once waited for
         bcp.save(url, {"model": model, "optimizer": optimizer}, incremental=True, keep_generations=1,
                  async_save=True).wait()

@@ -14,8 +14,8 @@ import torch
 import bcp
 from bcp.cli import main
 from bcp.tools import open_checkpoint, read_tensor
-from lora_models import build_lora, train_lora
-from models import assert_bitwise, full_state
+from lora_models import build_lora
+from models import assert_bitwise, full_state, train
 
 BASE = "model/base2.weight"
 
@@ -26,7 +26,7 @@ def incremental(tmp_path) -> tuple[str, dict]:
     path = str(tmp_path / "ckpt")
     model, optimizer = build_lora("plain", seed=1)
     for save in range(3):
-        train_lora(model, optimizer, range(save, save + 1))
+        train(model, optimizer, range(save, save + 1))
         bcp.save(path, {"model": model, "optimizer": optimizer, "extra_state": {"save": save}}, incremental=True,
                  keep_generations=1)
     assert sorted(os.listdir(path))[:3] == ["bcp-metrics", "gen-00000001", "gen-00000003"]
@@ -91,7 +91,7 @@ def test_bcp_copy_makes_a_generation_a_checkpoint_of_its_own(incremental, tmp_pa
     assert all(not name.startswith("gen-") for name in manifest.files)
     shutil.rmtree(path)  # the source is gone: the copy holds every byte
     model, optimizer = build_lora("plain", seed=2)
-    train_lora(model, optimizer, range(1))
+    train(model, optimizer, range(1))
     state = {"model": model, "optimizer": optimizer, "extra_state": None}
     bcp.load(out, state)
     assert_bitwise(expected, full_state(model, optimizer))
