@@ -72,23 +72,31 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 
 
 def run_ranks(world: int, fn, *args) -> list:
-    queue = mp.get_context("spawn").SimpleQueue()
-    with tempfile.TemporaryDirectory(prefix="bcp-demo-rendezvous-") as meeting:
+    with tempfile.TemporaryDirectory(prefix="bcp-demo-ranks-") as meeting:
         # The ranks meet through a file, not a TCP port chosen in advance that another program
-        # could take before rank 0 listens on it.
+        # could take before rank 0 listens on it; each leaves its result in a file of its own (a
+        # pipe read only after the join would block a rank whose result outgrows its buffer).
         init = f"file://{os.path.join(meeting, 'store')}"
-        mp.spawn(_rank_main, args=(world, init, queue, fn, args), nprocs=world, join=True)
-    results = dict(pickle.loads(queue.get()) for _ in range(world))
-    return [results[r] for r in range(world)]
+        mp.spawn(_rank_main, args=(world, init, meeting, fn, args), nprocs=world, join=True)
+        results = []
+        for rank in range(world):
+            with open(_result_file(meeting, rank), "rb") as f:
+                results.append(pickle.load(f))  # written by this demo's own ranks just now
+    return results
 
 
-def _rank_main(rank: int, world: int, init: str, queue, fn, args) -> None:
+def _result_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"result-{rank}.pickle")
+
+
+def _rank_main(rank: int, world: int, init: str, folder: str, fn, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        # Plain pickle copies tensor data: the rank exits before the parent reads its result.
-        queue.put(pickle.dumps((rank, fn(rank, world, *args))))
+        result = fn(rank, world, *args)
+        with open(_result_file(folder, rank), "wb") as f:
+            pickle.dump(result, f)
     finally:
         dist.destroy_process_group()
 

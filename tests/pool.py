@@ -5,7 +5,8 @@ session and runs many cases: ``pool.run(fn, *args)`` calls ``fn(*args)`` on ever
 the per-rank results. ``fn`` must be a module-level function. A case that fails raises here with
 every failing rank's traceback; a case that hangs is cut off after ``CASE_TIMEOUT_S`` (the ranks
 that did not answer are named and asked for their threads' stacks, which the test's captured stderr
-shows) and the pool is rebuilt, so a deadlock costs minutes, not the CI limit.
+shows) and the pool is rebuilt, so a deadlock costs minutes, not the CI limit. The process groups
+a case makes are destroyed when it ends: a case cannot hand a group to the next.
 """
 
 from __future__ import annotations
@@ -52,11 +53,39 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> N
         if job is None:
             break
         fn, args = job
+        groups_before = process_groups()
         try:
             outbox.put(("ok", rank, fn(*args)))
         except BaseException:  # report everything, including assertion failures, to the test
             outbox.put(("error", rank, traceback.format_exc()))
+        finally:
+            _destroy_groups_made_since(groups_before)
     dist.destroy_process_group()
+
+
+def process_groups() -> set:
+    """The process groups registered with c10d in this process (the world among them)."""
+    from torch.distributed import distributed_c10d
+
+    return set(distributed_c10d._world.pg_map)
+
+
+def _destroy_groups_made_since(before: set) -> None:
+    """Each gloo group runs a loop thread that wakes every 10 ms for the life of the group. The
+    groups a case made (device meshes, subgroups) would stay for the rest of the session with their
+    threads, and the pools' idle ranks then took a third of a core from every later test, from the
+    fresh processes of the lifecycle tier above all. A case cannot keep a group for the next one."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import _redistribute, debug
+
+    made = process_groups() - before
+    for group in made:
+        dist.destroy_process_group(group)
+    if made:
+        # DTensor's caches compare device meshes by shape and names, not groups: a spec cached by
+        # this case would hand the next case's equal mesh this case's destroyed groups.
+        debug._clear_sharding_prop_cache()
+        _redistribute._gen_transform_infos.cache_clear()
 
 
 class RankPool:

@@ -16,6 +16,7 @@ import torch
 
 import bcp
 from bcp.engine.shared_memory import shared_memory_available
+from bcp.engine.writer_process import WriterProcess
 from bcp.integration import runtime
 from process_checks import gone
 
@@ -92,12 +93,22 @@ def test_a_writer_process_killed_mid_save_fails_it_and_nothing_is_committed(tmp_
     assert all(torch.equal(loaded[k], v) for k, v in _expected(3.0).items())
 
 
-def test_an_abandoned_save_stops_the_writer_process_and_is_removed(tmp_path):
+def test_an_abandoned_save_stops_the_writer_process_and_is_removed(tmp_path, monkeypatch):
     pid = _committed_then_writer_stopped(tmp_path)
     handle = bcp.save(tmp_path, {"model": _state(2.0, tensors=32)}, async_save=True, io_threads=2)
+    sent = threading.Event()
+    send_abandon = WriterProcess.abandon
+
+    def sent_then_noted(process: WriterProcess) -> None:  # the real request, then a note of it
+        send_abandon(process)
+        sent.set()
+
+    monkeypatch.setattr(WriterProcess, "abandon", sent_then_noted)
     stopper = threading.Thread(target=bcp.shutdown, kwargs={"abandon": True})
     stopper.start()
-    time.sleep(0.3)  # the abandon request waits in the socket with the job
+    # The writer runs again only once the abandon request waits in its socket with the job (a
+    # fixed sleep was too short for the stopper thread on a loaded machine: the save committed).
+    assert sent.wait(30)
     os.kill(pid, signal.SIGCONT)
     stopper.join(30)
     with pytest.raises(bcp.SaveAbandonedError):
