@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from process_checks import own_process_group
+
 if TYPE_CHECKING:
     from s3_oidc import OidcIssuer
     from s3_tls import TlsFiles
@@ -112,7 +114,7 @@ def start(directory: str, timeout_s: float = 60.0, ports: list[int] | None = Non
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
     with open(os.path.join(directory, "weed.log"), "ab") as log:
         process = subprocess.Popen(command, cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   **own_process_group())
     server = S3Server(f"http://127.0.0.1:{s3}", process, directory, ports,
                       f"https://127.0.0.1:{https}" if tls is not None else None, tls)
     _wait_ready(server, directory, timeout_s)

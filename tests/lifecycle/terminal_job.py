@@ -1,7 +1,7 @@
 """A 2-rank training job as a user runs it from a terminal: ``python terminal_job.py PATH``.
 
-The tests start it in a session of its own (``start_new_session``) and send their Ctrl-C to its
-whole process group (``os.killpg``), as a terminal sends it to its foreground job: the launcher,
+The tests start it leading a process group of its own and send their Ctrl-C to that whole group
+(``os.killpg``), as a terminal sends it to its foreground job: the launcher,
 both ranks and their writer processes all receive it. The launcher ignores it, as a launcher that
 outlives its ranks does; each rank gets Python's KeyboardInterrupt.
 

@@ -18,19 +18,19 @@ import pytest
 
 import bcp
 from bcp.engine.location import METRICS_DIR
-from process_checks import gone
+from process_checks import gone, own_process_group
 
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "terminal_job.py")
 STEP_TIMEOUT_S = 120.0
 
 
 class TerminalJob:
-    """``terminal_job.py`` in a session of its own, its output read as it comes."""
+    """``terminal_job.py`` leading a process group of its own, its output read as it comes."""
 
     def __init__(self, path: str) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         self.proc = subprocess.Popen([sys.executable, JOB, path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, start_new_session=True)
+                                     text=True, env=env, **own_process_group())
         self.lines: list[str] = []
         self._changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from process_checks import own_process_group
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_worker.py")
 TIMEOUT_S = 420
 
@@ -38,7 +40,7 @@ def run(world_size: int, cases: list[dict[str, Any]], workdir: str) -> list[list
     # Each rank leads a process group of its own, with its dataloader workers, so that all of them
     # can be signalled and killed together.
     procs = [subprocess.Popen([sys.executable, WORKER, spec], env=_env(r, world_size, port), stdout=log,
-                              stderr=subprocess.STDOUT, cwd=workdir, start_new_session=True)
+                              stderr=subprocess.STDOUT, cwd=workdir, **own_process_group())
              for r, log in enumerate(logs)]
     try:
         codes = _wait(procs)

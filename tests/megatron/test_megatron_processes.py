@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megatron_parts import assemble, assert_bitwise
+from process_checks import own_process_group
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_processes.py")
 
@@ -21,9 +22,9 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_proc
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("megatron_processes")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # A session of its own, so that a timeout ends the ranks and their forked writers too.
+    # A process group of its own, so that a timeout ends the ranks and their forked writers too.
     proc = subprocess.Popen([sys.executable, SCRIPT, str(out)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, **own_process_group())
     try:
         _, stderr = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:
