@@ -94,21 +94,24 @@ def test_a_writer_process_killed_mid_save_fails_it_and_nothing_is_committed(tmp_
 
 
 def test_an_abandoned_save_stops_the_writer_process_and_is_removed(tmp_path, monkeypatch):
+    # The real messages, each noted once sent: the stopped writer process is let go on only once
+    # its job and then the abandon request wait in its socket (fixed sleeps lost the race on a
+    # loaded machine, and a request sent before the job finds no job to stop).
+    sent = {"write": threading.Event(), "abandon": threading.Event()}
+    send = WriterProcess._send
+
+    def send_and_note(process: WriterProcess, message: tuple, fds=()) -> None:
+        send(process, message, fds)
+        if message[0] in sent:
+            sent[message[0]].set()
+
     pid = _committed_then_writer_stopped(tmp_path)
+    monkeypatch.setattr(WriterProcess, "_send", send_and_note)
     handle = bcp.save(tmp_path, {"model": _state(2.0, tensors=32)}, async_save=True, io_threads=2)
-    sent = threading.Event()
-    send_abandon = WriterProcess.abandon
-
-    def sent_then_noted(process: WriterProcess) -> None:  # the real request, then a note of it
-        send_abandon(process)
-        sent.set()
-
-    monkeypatch.setattr(WriterProcess, "abandon", sent_then_noted)
+    assert sent["write"].wait(30)
     stopper = threading.Thread(target=bcp.shutdown, kwargs={"abandon": True})
     stopper.start()
-    # The writer runs again only once the abandon request waits in its socket with the job (a
-    # fixed sleep was too short for the stopper thread on a loaded machine: the save committed).
-    assert sent.wait(30)
+    assert sent["abandon"].wait(30)
     os.kill(pid, signal.SIGCONT)
     stopper.join(30)
     with pytest.raises(bcp.SaveAbandonedError):
