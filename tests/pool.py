@@ -55,11 +55,13 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> N
         fn, args = job
         groups_before = process_groups()
         try:
-            outbox.put(("ok", rank, fn(*args)))
+            try:
+                answer = ("ok", rank, fn(*args))
+            finally:
+                _destroy_groups_made_since(groups_before)  # before answering: a failure here is the case's
         except BaseException:  # report everything, including assertion failures, to the test
-            outbox.put(("error", rank, traceback.format_exc()))
-        finally:
-            _destroy_groups_made_since(groups_before)
+            answer = ("error", rank, traceback.format_exc())
+        outbox.put(answer)
     dist.destroy_process_group()
 
 

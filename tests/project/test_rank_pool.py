@@ -9,7 +9,7 @@ import threading
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from pool import process_groups
 
