@@ -17,6 +17,7 @@ import torch
 import bcp
 from bcp.engine.shared_memory import shared_memory_available
 from bcp.engine.writer_process import WriterProcess
+from bcp.storage.local import LocalStorage
 from bcp.integration import runtime
 from process_checks import gone
 
@@ -117,6 +118,50 @@ def test_an_abandoned_save_stops_the_writer_process_and_is_removed(tmp_path, mon
     with pytest.raises(bcp.SaveAbandonedError):
         handle.wait()
     assert gone(pid)  # shutdown ends the writer process
+    assert not (tmp_path / "gen-00000002").exists()
+    loaded = _loaded(tmp_path)
+    assert all(torch.equal(loaded[k], v) for k, v in _expected(1.0).items())
+
+
+def test_a_save_abandoned_just_before_its_job_reaches_the_writer_process_is_not_committed(tmp_path, monkeypatch):
+    # The abandon request goes out (and the idle writer process drops it) between the save's last
+    # look at the request and the moment its job is sent: the save must still not commit.
+    bcp.save(tmp_path, {"model": _state(1.0)}, async_save=True).wait()  # generation 1; the writer process idle
+    abandon_sent = threading.Event()
+    send = WriterProcess._send
+
+    def abandon_first(process: WriterProcess, message: tuple, fds=()) -> None:
+        if message[0] == "write" and not abandon_sent.is_set():
+            threading.Thread(target=bcp.shutdown, kwargs={"abandon": True}).start()
+            assert abandon_sent.wait(30)
+        send(process, message, fds)
+        if message[0] == "abandon":
+            abandon_sent.set()
+
+    monkeypatch.setattr(WriterProcess, "_send", abandon_first)
+    handle = bcp.save(tmp_path, {"model": _state(2.0)}, async_save=True, io_threads=1)
+    with pytest.raises(bcp.SaveAbandonedError):
+        handle.wait()
+    assert not (tmp_path / "gen-00000002").exists()
+    loaded = _loaded(tmp_path)
+    assert all(torch.equal(loaded[k], v) for k, v in _expected(1.0).items())
+
+
+def test_a_save_abandoned_after_its_last_piece_is_written_is_not_committed(tmp_path, monkeypatch):
+    bcp.save(tmp_path, {"model": _state(1.0)}, async_save=True, async_writer="threads").wait()
+    lane = runtime().background
+    write_file = LocalStorage.write_file
+
+    def abandon_once_written(storage: LocalStorage, name: str, chunks) -> None:
+        write_file(storage, name, chunks)
+        if "gen-00000002" in name and not lane.abandon.is_set():  # the save's one data file, complete
+            threading.Thread(target=bcp.shutdown, kwargs={"abandon": True}).start()
+            assert lane.abandon.wait(30)
+
+    monkeypatch.setattr(LocalStorage, "write_file", abandon_once_written)
+    handle = bcp.save(tmp_path, {"model": _state(2.0)}, async_save=True, async_writer="threads", io_threads=1)
+    with pytest.raises(bcp.SaveAbandonedError, match="after its files were written, before its commit"):
+        handle.wait()
     assert not (tmp_path / "gen-00000002").exists()
     loaded = _loaded(tmp_path)
     assert all(torch.equal(loaded[k], v) for k, v in _expected(1.0).items())

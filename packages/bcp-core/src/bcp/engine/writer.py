@@ -77,7 +77,8 @@ class GenerationWriter:
         self.chunk = chunk
         #: Writer threads at a lower CPU and I/O priority (an asynchronous save, beside training).
         self.background = background
-        #: Once set, the writes stop before their next piece and fail with SaveAbandonedError.
+        #: Once set, the writes stop before their next piece and fail with SaveAbandonedError (set
+        #: after the last piece, ``write_rank`` fails all the same: the save does not commit).
         self.abandon = abandon
         #: Where set, the writer process writes the files (from the staged shared buffer).
         self.in_process = in_process
@@ -104,6 +105,9 @@ class GenerationWriter:
                 on_written(sum(item.nbytes for item in items if item.piece is not None))
         else:
             crcs = self._write_in_threads(files, bins, on_written)
+        if self.abandon is not None and self.abandon.is_set():  # after the last piece, still before the commit
+            raise SaveAbandonedError(f"the save of generation {self.generation} was abandoned after its files "
+                                     "were written, before its commit", path=self.location.display)
         piece_rows: list[PieceRecord] = []
         value_rows: list[ValueRecord] = []
         for file_index, (file_items, file_crcs) in enumerate(zip(placed, crcs)):

@@ -164,12 +164,15 @@ class WriterProcess:
             send(self._sock, message, list(fds))
 
     def _await_reply(self, abandon: threading.Event | None) -> tuple:
+        # Asked at once where the save was abandoned already: the request ``abandon()`` sent may have
+        # reached the writer process before the job, which then had nothing to stop.
         asked = False
-        while not select.select([self._sock], [], [], POLL_S)[0]:
-            if abandon is not None and abandon.is_set() and not asked:
+        while True:
+            if abandon is not None and not asked and abandon.is_set():
                 self._send(("abandon",))
                 asked = True
-        return receive(self._sock)[0]
+            if select.select([self._sock], [], [], POLL_S)[0]:
+                return receive(self._sock)[0]
 
     def _died(self, what: str, display: str) -> StorageError:
         try:
