@@ -30,3 +30,16 @@ def gone(pid: int, within_s: float = 10.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def kernel_state(pid: int) -> str:
+    """What the kernel says process ``pid`` is doing (its state and the kernel function it waits
+    in), for an error about a process that does not end."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/wchan") as wchan:
+            waiting_in = wchan.read().strip()
+    except OSError:
+        return "its state cannot be read (it is gone, or this system has no /proc)"
+    return f"state {state}" + (f", waiting in the kernel's {waiting_in}" if waiting_in not in ("", "0") else "")

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from process_checks import own_process_group
+from process_checks import kernel_state, own_process_group
 
 if TYPE_CHECKING:
     from s3_oidc import OidcIssuer
@@ -26,6 +26,9 @@ BUCKET = "ckpt"
 ACCESS_KEY = "bcp-test"
 SECRET_KEY = "bcp-test-secret"
 GRPC_OFFSET = 10000  # every SeaweedFS service also listens for gRPC on its HTTP port + 10000
+#: How long the killed server may take to end. Beside two busy loops it once took over 30 s: a
+#: process ends only once its unfinished kernel work (its writes to disk among it) is done.
+KILLED_EXIT_WAIT_S = 180
 ROLE_ARN = "arn:aws:iam::role/ckpt-writer"
 """A role the test keys may assume through the server's STS (``start(sts=True)``)."""
 FEDERATED_ROLE_ARN = "arn:aws:iam::role/ckpt-federated"
@@ -178,4 +181,8 @@ def stop(server: S3Server) -> None:
         os.killpg(server.process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    server.process.wait(timeout=30)
+    try:
+        server.process.wait(timeout=KILLED_EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"weed mini (pid {server.process.pid}) was killed and has not ended within "
+                           f"{KILLED_EXIT_WAIT_S}s: {kernel_state(server.process.pid)}") from None
