@@ -30,6 +30,12 @@ from bcp.integration import runtime
 WORLD = 2
 
 
+def _say(line: str) -> None:
+    """One write per line: both ranks share the launcher's stdout, and print() writes a line's end
+    apart where Python's output is unbuffered (PYTHONUNBUFFERED), so two ranks' lines could run together."""
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
+
+
 def model(value: float) -> nn.Module:
     """32 MB of parameters, every one ``value``: the pending save has pieces to write."""
     module = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))
@@ -47,7 +53,7 @@ def _rank(path: str) -> None:
     writer = runtime().background.writer_pid()
     os.kill(writer, signal.SIGSTOP)
     bcp.save(path, {"model": model(3.0)}, async_save=True)
-    print(f"rank {rank}: writer process {writer} stopped; training", flush=True)
+    _say(f"rank {rank}: writer process {writer} stopped; training")
     while True:
         time.sleep(0.05)
 
@@ -72,7 +78,7 @@ def _launch(path: str) -> bool:
         status = os.waitpid(pid, 0)[1]
         how = (f"exit code {os.WEXITSTATUS(status)}" if os.WIFEXITED(status)
                else f"signal {signal.Signals(os.WTERMSIG(status)).name}")
-        print(f"rank {rank} ended: {how}", flush=True)
+        _say(f"rank {rank} ended: {how}")
     return False
 
 
