@@ -205,9 +205,16 @@ def resources() -> tuple[int, int]:
 
 def cycles_then_count(path: str, cycles: int, use_bcp: bool, settle_s: float) -> None:
     """A job that re-creates its process groups (elastic restarts, Megatron's re-initialization):
-    each cycle creates a group, saves through it (sync, async waited, async left pending), destroys
-    it and loads; then the world is destroyed too. Prints the threads and file descriptors left,
-    to compare with the same job that never calls bcp (torch keeps a few of its own).
+    each cycle creates a group, uses it (a barrier), saves through it (sync, async waited, async left
+    pending), destroys it and loads; then the world is destroyed too. Prints the threads and file
+    descriptors left, to compare with the same job that never calls bcp (torch keeps a few of its own).
+
+    The barrier is what a job's first collective on a group does, and the job without bcp needs it:
+    ``dist.new_group`` returns on a rank once its own end of gloo's connection is up (torch has no
+    barrier after creating a group unless ``TORCH_DIST_INIT_BARRIER=1``), so a rank destroying the
+    group at once resets the connection while the peer may still be setting up its end, and the
+    peer's ``new_group`` fails with "Connection closed by peer" (beside two busy loops, 6 of 23
+    such jobs did).
 
     The counts are taken in a steady state every rank reaches: the job holds no reference to a
     destroyed group (torch closes a gloo group's sockets when its last reference goes; a loop that
@@ -218,6 +225,7 @@ def cycles_then_count(path: str, cycles: int, use_bcp: bool, settle_s: float) ->
     state = _trained_state(world)
     for cycle in range(cycles):
         group = dist.new_group(list(range(world)))
+        dist.barrier(group=group)
         if use_bcp:
             coordinator = bcp.TorchCoordinator(group)
             bcp.save(path, state, coordinator=coordinator)
