@@ -213,8 +213,7 @@ def cycles_then_count(path: str, cycles: int, use_bcp: bool, settle_s: float) ->
     ``dist.new_group`` returns on a rank once its own end of gloo's connection is up (torch has no
     barrier after creating a group unless ``TORCH_DIST_INIT_BARRIER=1``), so a rank destroying the
     group at once resets the connection while the peer may still be setting up its end, and the
-    peer's ``new_group`` fails with "Connection closed by peer" (beside two busy loops, 6 of 23
-    such jobs did).
+    peer's ``new_group`` fails with "Connection closed by peer" (on a loaded machine, often).
 
     The counts are taken in a steady state every rank reaches: the job holds no reference to a
     destroyed group (torch closes a gloo group's sockets when its last reference goes; a loop that
