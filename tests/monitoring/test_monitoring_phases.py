@@ -7,6 +7,8 @@ cover the operation up to it. Synchronous and asynchronous saves, loads with and
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -88,3 +90,20 @@ def test_phases_cover_the_operations_on_two_ranks(ranks, tmp_path):
         assert len(record.ranks) == 2
         check_covered(record)
     assert "plan.readers" in {n for n, _, _ in records[4].ranks[0].phases}
+
+
+def test_a_wall_clock_stepped_back_during_the_operations_leaves_their_phases_nested(tmp_path, monkeypatch):
+    """NTP may step the wall clock at any time (stepping this machine's clock would disturb every other
+    process, so the test's own clock does it): from its second reading on it is 1 s behind."""
+    real, readings = time.time, []
+
+    def stepped() -> float:
+        readings.append(None)
+        return real() - (1.0 if len(readings) > 1 else 0.0)
+
+    monkeypatch.setattr(time, "time", stepped)
+    records = [OpRecord.from_json(r) for r in _operations(str(tmp_path / "ckpt"))]
+    assert len(readings) > 1  # the step came within the operations
+    for record in records:
+        assert record.seconds > 0, record
+        check_covered(record)

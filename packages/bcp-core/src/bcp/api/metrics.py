@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -146,7 +145,7 @@ class Monitor:
                  metrics_log: "bool | str | os.PathLike", summary_level: int = logging.INFO) -> None:
         self.op, self.rank, self.world_size, self.stats = op, rank, world_size, stats
         self.topology, self.metrics_log, self.summary_level = topology, metrics_log, summary_level
-        self.start = time.time()
+        self.start = stats.now()
         self.blocking_seconds: float | None = None
         self.location: Location | None = None
         self.generation: int | None = None
@@ -171,7 +170,7 @@ class Monitor:
 
     def returned(self) -> None:
         """The caller got control back (an async save: staged); the blocking time ends here."""
-        self.blocking_seconds = time.time() - self.start
+        self.blocking_seconds = self.stats.now() - self.start
 
     def rank_wire(self) -> list[Any]:
         """This rank's record as it travels to rank 0."""
@@ -195,7 +194,7 @@ class Monitor:
         self._close([own], where, own.error)
 
     def _close(self, ranks: list[RankRecord], failed_phase: str | None = None, error: str | None = None) -> None:
-        seconds = time.time() - self.start
+        seconds = self.stats.now() - self.start
         blocking = self.blocking_seconds if self.blocking_seconds is not None else seconds
         path = self.location.display if self.location is not None else _shown(self._asked)
         self.record = record = OpRecord(self.op, path, self.generation, self.world_size, self.start, seconds,

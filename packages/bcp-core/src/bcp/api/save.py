@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -207,11 +206,11 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
                               abandon=rt.background.abandon, in_process=_in_process(rt, location, buffer, options))
     monitor.returned()  # the caller gets control back: the blocking time ends here
 
-    handed_over = time.time()
+    handed_over = stats.now()
 
     def write() -> Outcome:
         # "queue": the wait for the lane's threads, long where an earlier save still writes or commits
-        stats.add("queue", handed_over, time.time())
+        stats.add("queue", handed_over, stats.now())
         try:
             return write_share(background_coord.rank, writer, pieces, values, stats, monitor=monitor,
                                on_report=on_report)
@@ -219,7 +218,7 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
             rt.buffers.release(buffer, copied_from=copied_from)
 
     def commit_in_background(report: Outcome) -> None:
-        stats.add("queue", stats.spans[-1][2], time.time())  # from the end of this save's write
+        stats.add("queue", stats.spans[-1][2], stats.now())  # from the end of this save's write
         commit(background_coord, writer, report, manifest_of, stats, monitor)
 
     job = rt.background.submit(write, commit_in_background, label=f"{location.display} (generation {generation})")
