@@ -1,14 +1,17 @@
-"""A 4-rank save with one rank slowed on purpose: the metrics record gathered to rank 0 names that
-rank as the straggler in its write phase, and the heat map, Gantt chart and trace show it; a save
-that fails on one rank leaves a metrics line saying where it failed."""
+"""A 4-rank save with one rank slowed on purpose, alone or within a stall every rank's writes share:
+the metrics record gathered to rank 0 names that rank as the straggler in its write phase, and the
+heat map, Gantt chart and trace show it; a save that fails on one rank leaves a metrics line saying
+where it failed."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import matplotlib.image
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 from matplotlib import colormaps
@@ -24,13 +27,43 @@ SLOW_RANK = 2
 
 
 class SlowOnRank2(LocalStorage):
-    """A real local storage whose data-file writes on rank 2 take 0.4 s longer, as on an overloaded
-    storage path."""
+    """A real local storage on which rank 2's data-file write ends well after every other rank's, as
+    on an overloaded storage path: once its own data is durable and every other rank's is too, it
+    waits 0.4 s plus three times as long as the save has run since just before it began. A delay
+    before the write would be absorbed by a stall that every rank's writes share (on a loaded
+    machine, fsyncs can wait seconds together), and a fixed one would drown in it; this one stays
+    the widest gap and 1.5x above the median whatever the others take.
+
+    ``stall_until`` (a ``time.monotonic()`` moment, the same in every process of one machine) holds
+    every rank's data-file writes until then: a shared stall, simulated because a real one cannot be
+    produced on demand."""
+
+    def __init__(self, root: str, signals: str, began: float, stall_until: float) -> None:
+        super().__init__(root)
+        self.signals = signals  # each other rank leaves a file here once its data is durable
+        self.began = began  # rank 2's clock before the barrier that every rank left just before the save
+        self.stall_until = stall_until
 
     def write_file(self, name, chunks):
-        if dist.get_rank() == SLOW_RANK and "/data/" in name:
-            time.sleep(0.4)
+        if "/data/" not in name:  # a rank writes one data file: 16 KiB is far below a file's share
+            return super().write_file(name, chunks)
+        writing = time.monotonic()
+        time.sleep(max(0.0, self.stall_until - writing))
         super().write_file(name, chunks)
+        rank = dist.get_rank()
+        if rank != SLOW_RANK:
+            open(os.path.join(self.signals, str(rank)), "x").close()
+            return
+        others = {str(r) for r in range(dist.get_world_size())} - {str(rank)}
+        deadline = time.monotonic() + 60
+        while not others <= set(os.listdir(self.signals)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks {sorted(others - set(os.listdir(self.signals)))} wrote no data file in 60 s")
+            time.sleep(0.01)
+        # Every phase any other rank ran before its data was durable lies within `so_far`: each began
+        # after the barrier, which no rank left before rank 2 reached it.
+        so_far = time.monotonic() - self.began
+        time.sleep(max(0.0, writing + 0.4 + 3 * so_far - time.monotonic()))
 
 
 class FailingOnRank1(LocalStorage):
@@ -48,31 +81,40 @@ def topology() -> dict[str, int]:
     return {"pp": rank // 2, "dp": rank % 2}
 
 
-def slowed_save(path: str) -> list:
+def slowed_save(path: str, signals: str, stall_s: float) -> list:
     # per-rank state: every rank writes a data file (replicated model tensors are written by one rank)
     state = {"extra_state": {"w": torch.arange(4096, dtype=torch.float32) + dist.get_rank()}}
-    handle = bcp.save(SlowOnRank2(path), state, topology=topology(), metrics_log=True)
+    began = time.monotonic()
+    dist.barrier()  # no rank leaves it, and so begins the save, before rank 2 came
+    stall_until = [time.monotonic() + stall_s]
+    dist.broadcast_object_list(stall_until, src=0)
+    storage = SlowOnRank2(path, signals, began, stall_until[0])
+    handle = bcp.save(storage, state, topology=topology(), metrics_log=True)
     result = bcp.load(path, {"extra_state": {"w": None}}, topology=topology(), metrics_log=True)
     saved, loaded = handle.metrics, result.metrics
     return [None if saved is None else saved.to_json(), None if loaded is None else loaded.to_json()]
 
 
-def test_slowed_rank_is_the_straggler_in_report_heatmap_and_trace(ranks, tmp_path, capsys):
-    results = ranks(4).run(slowed_save, str(tmp_path))
+@pytest.mark.parametrize("stall_s", [0.0, 1.0], ids=["alone", "in-a-stall-every-rank-shares"])
+def test_slowed_rank_is_the_straggler_in_report_heatmap_and_trace(ranks, tmp_path, capsys, stall_s):
+    path, signals = tmp_path / "ckpt", tmp_path / "written"
+    signals.mkdir()
+    results = ranks(4).run(slowed_save, str(path), str(signals), stall_s)
     assert all(saved is None and loaded is None for saved, loaded in results[1:])  # rank 0 holds the record
     saved, loaded = results[0]
-    lines = list(read_records(tmp_path))
+    lines = list(read_records(path))
     assert [line["op"] for line in lines] == ["save", "load"] and lines == [saved, loaded]
     assert saved["ok"] and saved["world_size"] == 4 and [r["rank"] for r in saved["ranks"]] == [0, 1, 2, 3]
     assert [r["topology"] for r in saved["ranks"]] == [{"pp": r // 2, "dp": r % 2} for r in range(4)]
     assert all(r["bytes"] > 0 and r["local_rank"] == r["rank"] for r in saved["ranks"])
     assert [r["topology"] for r in loaded["ranks"]] == [r["topology"] for r in saved["ranks"]]
 
-    summary = report(tmp_path, op="save", trace=tmp_path / "trace.json", gantt=tmp_path / "gantt.png")
+    summary = report(path, op="save", trace=tmp_path / "trace.json", gantt=tmp_path / "gantt.png")
+    assert summary.straggler is not None, summary.format()
     assert (summary.straggler.slowest_rank, summary.straggler.phase) == (SLOW_RANK, "write")
     assert summary.phase == "write" and summary.slowest[0][0] == SLOW_RANK
 
-    assert main(["report", str(tmp_path), "--op", "save"]) == 0
+    assert main(["report", str(path), "--op", "save"]) == 0
     assert f"straggler: rank {SLOW_RANK} in write" in capsys.readouterr().out
 
     trace = json.loads((tmp_path / "trace.json").read_text())
