@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
@@ -31,3 +33,14 @@ def ranks():
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+@pytest.fixture
+def memory_dir():
+    """A fresh folder in memory (``/dev/shm``, where there is one), removed after the test. For
+    tests whose short timeouts measure their ranks, not the disk: a durable write on disk can stall
+    for seconds on a loaded machine (another write's journal commit), which such a timeout would
+    mistake for a dead or hung rank; in memory, fsync returns at once."""
+    path = tempfile.mkdtemp(prefix="bcp-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -111,9 +111,10 @@ CASES = ([(v, "sync", phase) for v in (1, 0) for phase in SYNC]
 
 
 @pytest.mark.parametrize("victim,mode,phase", CASES, ids=[f"rank{v}-{m}-{p}" for v, m, p in CASES])
-def test_peer_death_is_a_checkpoint_error_naming_phase_and_rank(tmp_path, victim, mode, phase):
+def test_peer_death_is_a_checkpoint_error_naming_phase_and_rank(memory_dir, victim, mode, phase):
     death, names = (SYNC if mode == "sync" else ASYNC)[phase]
-    (kind, is_checkpoint_error, message), codes = run_case(str(tmp_path / "ckpt"), victim, death, mode == "async")
+    # In memory: on a loaded disk, rank 0's durable claim of the generation can stall past the timeout.
+    (kind, is_checkpoint_error, message), codes = run_case(f"{memory_dir}/ckpt", victim, death, mode == "async")
     assert codes[victim] == -signal.SIGKILL, f"the victim did not die as planned: {codes}, {kind}: {message}"
     assert codes[1 - victim] == 0, f"the survivor did not exit cleanly: {codes}"
     assert kind == "DistributedError" and is_checkpoint_error, f"{kind}: {message}"

@@ -21,7 +21,7 @@ import pytest
 from torch import nn
 
 import bcp
-from process_checks import gone
+from process_checks import gone, kernel_state
 from zygote import Zygote
 
 REPEATS = 2
@@ -195,7 +195,10 @@ def test_a_rank_killed_while_its_writer_process_writes_takes_the_writer_with_it_
     writers = _writer_processes(result)
     for pid in writers:
         os.kill(pid, signal.SIGCONT)  # it finds its job, and its training process gone
-    assert all(gone(pid) for pid in writers), result.describe()
+    # A generous bound: the writer runs niced, at the lowest I/O priority, and beside busy loops it
+    # gets a tenth of a core; what must fail is a writer that stays.
+    stayed = [f"writer process {pid}: {kernel_state(pid)}" for pid in writers if not gone(pid, within_s=60)]
+    assert not stayed, f"{stayed}\n{result.describe()}"
     for rank in range(2):
         with open(f"{logs}-{rank}") as f:
             said = f.read()
