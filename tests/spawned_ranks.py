@@ -3,14 +3,14 @@ fresh processes with ``torch.multiprocessing.spawn``, calls ``fn(*args)`` on eac
 process group and returns the per-rank results.
 
 A DataLoader's worker processes cannot be children of the daemonic ranks of the session's pool
-(tests/pool.py), hence these short-lived ones.
+(tests/pool.py), hence these short-lived ones. Their loaders' workers start from a fork server
+(``loader_workers``) that has imported the modules of ``fn`` and of the functions among ``args``.
 """
 
 from __future__ import annotations
 
 import datetime
 import faulthandler
-import multiprocessing
 import os
 import pickle
 import signal
@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
+import loader_workers
+
 PG_TIMEOUT_S = 60
 #: A job whose ranks have not all finished by then is a hang: each rank still running is asked for
 #: its threads' stacks (faulthandler, to stderr, which the test's report shows), then killed.
@@ -34,10 +36,10 @@ def _rank_main(rank: int, world: int, port: int, folder: str, fn: Callable[..., 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # forked loader workers keep it too
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     # a spawned process inherits the spawn start method, and a loader's workers would then each
-    # import torch anew (seconds apiece); forked they start at once
-    multiprocessing.set_start_method("fork", force=True)
+    # import torch anew (seconds apiece)
+    loader_workers.start_from_fork_server(*sorted({f.__module__ for f in (fn, *args) if callable(f)}))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     try:
         try:

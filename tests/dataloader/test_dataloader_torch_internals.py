@@ -10,6 +10,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from bcp.adapters import torch_internals
+from loader_workers import fork_server
 
 stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
 
@@ -45,7 +46,8 @@ def test_a_stateful_loaders_iterator_and_states_are_read():
     assert torch_internals.pending_state(loader) == state
     list(iter(loader))
     assert torch_internals.finished(loader) and torch_internals.state_finished(loader.state_dict())
-    with_workers = stateful_dataloader.StatefulDataLoader(range(10), batch_size=3, num_workers=2)
+    with_workers = stateful_dataloader.StatefulDataLoader(range(10), batch_size=3, num_workers=2,
+                                                         multiprocessing_context=fork_server())
     taken = iter(with_workers)
     next(taken)
     assert torch_internals.state_batches_yielded(with_workers.state_dict()) == 1

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 )
 
 import bcp  # noqa: E402
+import loader_workers  # noqa: E402
 from bcp_lightning import (  # noqa: E402
     BCPCheckpointIO,
     BCPDDPStrategy,
@@ -343,6 +344,7 @@ class EpochIds(L.LightningModule):
     def train_dataloader(self) -> Any:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
+        loader_workers.start_from_fork_server("lightning_worker")  # this script, run in each worker
         ids = torch.utils.data.TensorDataset(torch.arange(96))
         if self.sampler == "lightning":
             return StatefulDataLoader(ids, batch_size=4, shuffle=self.shuffle, num_workers=2)
@@ -412,10 +414,9 @@ def main() -> None:
     rank = int(os.environ["LOCAL_RANK"])
     results = []
     for case in spec["cases"]:
-        # The launcher's request for stacks on a hang (forked dataloader workers keep the handler),
-        # installed again before each case: a Trainer's teardown resets every signal to Python's view
-        # of it, and faulthandler reinstalls a handler it still counts as registered only after
-        # unregistering it.
+        # The launcher's request for stacks on a hang, installed again before each case: a Trainer's
+        # teardown resets every signal to Python's view of it, and faulthandler reinstalls a handler
+        # it still counts as registered only after unregistering it.
         faulthandler.unregister(signal.SIGUSR2)
         faulthandler.register(signal.SIGUSR2, all_threads=True)
         results.append(CASES[case["case"]](**case["args"]))
