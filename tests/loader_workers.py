@@ -1,13 +1,13 @@
 """Loader read workers in the tests start from a fork server, never forked from a training process.
 
-A training process runs gloo, whose threads enter Python now and then (to release a tensor whose
-Python object C++ kept alive, say), and each entry creates a thread state under CPython's runtime
-lock without holding the GIL. In CPython 3.8 to 3.11 (3.11.7 here) a process forked while another
-thread holds that lock takes it in the child before renewing it and waits forever, before it runs a
-line of Python (python/cpython#112275; 3.12 renews it first). A loader waits for its workers without
-a limit: a worker forked at that instant left a whole job hanging. A fork server is one
-single-threaded process per training process that imports torch and the tests' modules once: forks
-of it cannot inherit a held lock, and start as fast.
+A training process runs gloo, whose threads enter Python at the end of a collective (releasing its
+tensors, whose Python objects the caller may have dropped), and each entry creates a thread state
+under CPython's runtime lock without holding the GIL. In CPython 3.8 to 3.11 (3.11.7 here) a process
+forked while another thread holds that lock takes it in the child before renewing it and waits
+forever, before it runs a line of Python (python/cpython#112275; 3.12 renews it first). A loader
+waits for its workers without a limit: a worker forked at that instant left a whole job hanging. A
+fork server is one single-threaded process per training process that imports torch and the tests'
+modules once: forks of it cannot inherit a held lock, and start as fast.
 """
 
 from __future__ import annotations
