@@ -19,7 +19,13 @@ import bcp
 from bcp.integration import runtime
 
 
-def _join(timeout_s: float = 30.0) -> tuple[int, int]:
+#: The process group's timeout in the jobs, and so bcp's (it takes the group's). Beside two busy loops
+#: rank 0 once reached a save's first exchange over 30 s after rank 1 (its claim of the generation
+#: lies between them); a job that hangs still fails, with bcp's message, before the zygote's timeout.
+JOB_GROUP_TIMEOUT_S = 120.0
+
+
+def _join(timeout_s: float = JOB_GROUP_TIMEOUT_S) -> tuple[int, int]:
     torch.manual_seed(0)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()

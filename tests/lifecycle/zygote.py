@@ -78,10 +78,11 @@ class Zygote:
         if ready.strip() != "ready":
             raise RuntimeError(f"the zygote did not start: {ready!r}")
 
-    def run(self, job: str, world: int, *args: Any, timeout: float = 60.0,
+    def run(self, job: str, world: int, *args: Any, timeout: float = 180.0,
             env: dict[str, str] | None = None) -> JobExit:
         """Runs ``job`` (``"module:function"``, importable from this folder) on ``world`` fresh
-        rank processes with ``args``; returns how each rank ended."""
+        rank processes with ``args``; returns how each rank ended. The default ``timeout`` outlasts
+        the jobs' process-group timeout, so a rank stuck in an exchange fails with bcp's own message."""
         request = {"job": job, "world": world, "args": list(args), "timeout": timeout, "env": env or {}}
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
