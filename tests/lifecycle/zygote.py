@@ -82,7 +82,8 @@ class Zygote:
             env: dict[str, str] | None = None) -> JobExit:
         """Runs ``job`` (``"module:function"``, importable from this folder) on ``world`` fresh
         rank processes with ``args``; returns how each rank ended. The default ``timeout`` outlasts
-        the jobs' process-group timeout, so a rank stuck in an exchange fails with bcp's own message."""
+        ``lifecycle_jobs.JOB_GROUP_TIMEOUT_S`` (the process-group timeout of the jobs there), so a rank
+        stuck in an exchange fails with bcp's own message before this timeout kills it."""
         request = {"job": job, "world": world, "args": list(args), "timeout": timeout, "env": env or {}}
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
