@@ -24,7 +24,13 @@ import torch
 
 from process_checks import own_process_group
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_worker.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: Each rank runs ``lightning_worker.main()`` from ``-c``, not the file as a script: a process's loader
+#: workers (started from a fork server) import the script that is ``__main__`` anew, and this one
+#: imports Lightning (4 s apiece); a ``-c`` main is not imported again, so the fork server preloads
+#: torch alone.
+WORKER = [sys.executable, "-c", f"import sys; sys.path.insert(0, {HERE!r}); import lightning_worker; "
+                                "lightning_worker.main()"]
 TIMEOUT_S = 420
 
 
@@ -39,7 +45,7 @@ def run(world_size: int, cases: list[dict[str, Any]], workdir: str) -> list[list
     logs = [open(os.path.join(workdir, f"rank-{r}.log"), "w+") for r in range(world_size)]
     # Each rank leads a process group of its own, with its dataloader workers, so that all of them
     # can be signalled and killed together.
-    procs = [subprocess.Popen([sys.executable, WORKER, spec], env=_env(r, world_size, port), stdout=log,
+    procs = [subprocess.Popen([*WORKER, spec], env=_env(r, world_size, port), stdout=log,
                               stderr=subprocess.STDOUT, cwd=workdir, **own_process_group())
              for r, log in enumerate(logs)]
     try:

@@ -1,5 +1,6 @@
-"""One rank of a Lightning job: ``python lightning_worker.py SPEC.json``, started once per rank by
-``lightning_launch.run`` with the environment Lightning reads for externally launched processes.
+"""One rank of a Lightning job: ``main()`` reads the SPEC.json that ``sys.argv[1]`` names. Started
+once per rank by ``lightning_launch.run`` with the environment Lightning reads for externally
+launched processes.
 
 A job runs several cases in order, each a real Trainer run (each builds its own Trainer, model and
 data), so one launch serves many checks. Each case returns plain data and CPU tensors: losses per
@@ -344,7 +345,7 @@ class EpochIds(L.LightningModule):
     def train_dataloader(self) -> Any:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        loader_workers.start_from_fork_server("lightning_worker")  # this script, run in each worker
+        loader_workers.start_from_fork_server()  # the workers need torch's dataset alone
         ids = torch.utils.data.TensorDataset(torch.arange(96))
         if self.sampler == "lightning":
             return StatefulDataLoader(ids, batch_size=4, shuffle=self.shuffle, num_workers=2)
