@@ -25,7 +25,10 @@ PRELOAD = ("torch", "torchdata.stateful_dataloader")
 def start_from_fork_server(*modules: str) -> None:
     """Make this process's loaders (any process started from multiprocessing's default context)
     start their workers from a fork server, started now, that has imported torch, torchdata and
-    ``modules`` (those the workers unpickle their datasets and functions from)."""
+    ``modules`` (those the workers unpickle their datasets and functions from). Each worker also
+    imports this process's ``__main__`` script anew, as multiprocessing does for every child it does
+    not fork from the parent; a process whose script imports much starts from ``-c`` instead
+    (``lightning_launch``)."""
     multiprocessing.set_start_method("forkserver", force=True)
     _start(modules)
 

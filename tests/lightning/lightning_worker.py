@@ -422,7 +422,3 @@ def main() -> None:
         faulthandler.register(signal.SIGUSR2, all_threads=True)
         results.append(CASES[case["case"]](**case["args"]))
     torch.save(results, os.path.join(spec["out"], f"result-{rank}.pt"))
-
-
-if __name__ == "__main__":
-    main()
