@@ -1,5 +1,5 @@
 """The one place bcp reads torch's and torchdata's dataloaders beyond their public API
-(``bcp.adapters.torch_internals``): this test fails when a torch or torchdata upgrade moves a name
+(``bcp.torch_internals.dataloader``): this test fails when a torch or torchdata upgrade moves a name
 bcp relies on to know what the trainer consumed."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import importlib.metadata
 import pytest
 from torch.utils.data import DataLoader
 
-from bcp.adapters import torch_internals
+from bcp.torch_internals import TESTED
+from bcp.torch_internals import dataloader as torch_internals
 from loader_workers import fork_server
 
 stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
@@ -18,7 +19,7 @@ stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
 @pytest.mark.parametrize("package", ["torch", "torchdata"])
 def test_the_installed_versions_are_the_tested_ones(package):
     version = tuple(int(p.split("+")[0]) for p in importlib.metadata.version(package).split(".")[:2])
-    low, high = torch_internals.TESTED[package]
+    low, high = TESTED[package]
     assert low <= version < high
 
 
@@ -51,3 +52,5 @@ def test_a_stateful_loaders_iterator_and_states_are_read():
     taken = iter(with_workers)
     next(taken)
     assert torch_internals.state_batches_yielded(with_workers.state_dict()) == 1
+    assert torch_internals.state_dataset_states(with_workers.state_dict()) == [None, None]  # one per read worker
+    assert torch_internals.state_dataset_states(state) == [None]  # the loader's own

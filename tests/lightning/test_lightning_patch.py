@@ -8,11 +8,15 @@ import importlib.metadata
 import inspect
 
 import lightning as L
+import pytest
 import torch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from lightning.pytorch.core import saving
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops import fit_loop
 from lightning.pytorch.strategies import Strategy
 
+from bcp.integration import MovedNameError
 from bcp_lightning import BCPCheckpointIO, BCPDDPStrategy, lightning_patch
 
 
@@ -45,3 +49,29 @@ def test_another_lightning_version_is_left_unpatched_with_the_reason(monkeypatch
                      "(2.1 to before 2.7)"
     monkeypatch.undo()
     assert "has no _process_dataloader" in lightning_patch._why_not("lightning", lambda trainer, stage: None)
+
+
+def test_the_optimizer_inside_lightnings_wrapper_and_the_module_builder_are_read_by_name():
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    assert lightning_patch.torch_optimizer(LightningOptimizer(optimizer)) is optimizer
+    assert lightning_patch.torch_optimizer(optimizer) is optimizer
+    saved = Scaled(factor=3.0)
+    checkpoint = {"state_dict": saved.state_dict(), Scaled.CHECKPOINT_HYPER_PARAMS_KEY: {"factor": 3.0},
+                  "pytorch-lightning_version": L.__version__}
+    built = lightning_patch.module_from_checkpoint(Scaled, checkpoint, strict=True)
+    assert built.factor == 3.0 and torch.equal(built.layer.weight, saved.layer.weight)
+
+
+def test_a_moved_module_builder_fails_naming_it_and_the_tested_versions(monkeypatch):
+    monkeypatch.delattr(saving, "_load_state")
+    with pytest.raises(MovedNameError, match=r"lightning.pytorch.core.saving._load_state is missing: bcp reads this "
+                                             r"private name of lightning, tested with lightning 2\.1 to before 2\.7"):
+        lightning_patch.module_from_checkpoint(Scaled, {}, strict=True)
+
+
+class Scaled(L.LightningModule):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.factor = factor
+        self.layer = torch.nn.Linear(2, 2)

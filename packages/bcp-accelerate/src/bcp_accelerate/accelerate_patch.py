@@ -8,6 +8,10 @@
   share is not whole), so for that epoch the shard's ``batch_sampler`` is a :class:`ResumedBatches`
   (the epoch's batches of every process, in the shard's round-robin order) and its ``even_batches``
   is off; from the next epoch on the shard has its own back.
+- Read: what the ``Accelerator`` prepared (``_models``, ``_optimizers``, ``_schedulers``,
+  ``_dataloaders``), the objects registered for checkpointing (``_custom_objects``) and the state
+  pre-hooks registered (``_save_model_state_pre_hook``, ``_load_model_state_pre_hook``); a moved one
+  fails naming it and ``TESTED``.
 - Read, not written: a ``DataLoaderShard``'s ``iteration`` (its epoch), the shard's
   ``num_processes``/``process_index``/``split_batches``, a ``SeedableRandomSampler``'s ``initial_seed``.
   ``iteration`` is written too: accelerate's own load does not restore it, and a seedable sampler
@@ -26,6 +30,8 @@ from typing import Any, Callable, Iterator
 
 import accelerate
 from accelerate.data_loader import BatchSamplerShard, DataLoaderShard, SeedableRandomSampler
+
+from bcp.integration import private_name
 
 #: accelerate versions whose names below are as bcp_accelerate reads and sets them (1.15 is tested).
 TESTED = ((1, 0), (2, 0))
@@ -82,6 +88,19 @@ def _why_not() -> str | None:
     if not hasattr(SeedableRandomSampler(range(1), data_seed=0), "initial_seed"):
         missing.append("SeedableRandomSampler.initial_seed")
     return f"accelerate's dataloader classes have no {', '.join(missing)}" if missing else None
+
+
+def prepared(accelerator: accelerate.Accelerator, kind: str) -> list[Any]:
+    """What ``accelerator`` prepared or registered, by kind: ``"models"``, ``"optimizers"``,
+    ``"schedulers"``, ``"dataloaders"`` or ``"custom_objects"`` (registered for checkpointing)."""
+    return private_name(accelerator, f"_{kind}", distribution="accelerate", tested=TESTED)
+
+
+def state_pre_hooks(accelerator: accelerate.Accelerator, action: str) -> list[Callable[..., Any]]:
+    """The hooks registered with ``register_save_state_pre_hook`` (``action="save"``) or
+    ``register_load_state_pre_hook`` (``"load"``), in their order."""
+    hooks = private_name(accelerator, f"_{action}_model_state_pre_hook", distribution="accelerate", tested=TESTED)
+    return list(hooks.values())
 
 
 def loader_epoch(loader: Any) -> int:

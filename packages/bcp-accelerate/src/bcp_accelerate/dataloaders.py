@@ -27,14 +27,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
-
 import bcp
-from bcp import CheckpointError, MismatchError
+from bcp import MismatchError
 from bcp.integration import DATALOADER_COMPONENT
-from bcp.integration import (Walk, batches_yielded, deliver_resume, draws_its_order, follow_order, loader_position,
-                             loaders_own_batch_sampler, order_of_sampler, plan_resume, replay_order,
-                             rebuild_order, restore_generator, resumed_epoch_of, unwrap_resumed)
+from bcp.integration import (SavedPosition, Walk, batching_of, consumed_batches, continue_own, deliver_resume,
+                             draws_its_order, follow_order, loader_position, order_of_sampler, plan_resume,
+                             rebuild_order, refuse_unfollowed_draw, resumed_epoch_of, unwrap_resumed)
 from bcp_accelerate import accelerate_patch
 
 
@@ -97,48 +95,42 @@ class StatefulLoaders:
         self.load_dataloader_state(None, [state] * self.processes)
 
     def _resume(self, index: str, loader: Any, parts: list[dict[str, Any]]) -> None:
-        positions = [_saved_position(part, index) for part in parts]
+        positions = [SavedPosition.read(part.get("positions", {}).get(index), part.get("drawn_from", {}).get(index))
+                     for part in parts]
         if len(parts) == self.processes:
             own = positions[self.process]
-            if own is None or not own.get("resumed", False):
+            if own is None or not own.resumed:
                 _resume_own(loader, parts[self.process]["loaders"][index], own)
                 return
-        if any(p is None for p in positions):
+        if any(p is None or p.saved is None for p in positions):
             raise MismatchError(
                 f"stateful dataloader {index} was saved on {len(parts)} processes and is loaded on {self.processes}: "
                 "its state is a position within each process's own share that bcp cannot follow (an iterable "
                 "dataset, accelerate's split_batches, or a sampler other than a sequential, random or seedable one), "
                 "so the rest of its epoch cannot be dealt to another number of processes", key=DATALOADER_COMPONENT)
         batch_size, drop_last = _batching(loader)
-        resumes = [plan_resume(positions, self.processes, process, batch_size=batch_size, batch_drop_last=drop_last,
+        saved = [p.saved for p in positions]
+        resumes = [plan_resume(saved, self.processes, process, batch_size=batch_size, batch_drop_last=drop_last,
                                drop=drop_last) for process in range(self.processes)]
         mine = resumes[self.process]
         loader.load_state_dict({})
         accelerate_patch.set_loader_epoch(loader, mine.next_epoch() or 0)
         drawing = drawing_sampler(loader)
         if mine.finished or accelerate_patch.shard(loader) is None:
-            deliver_resume(loader, mine, drawing, record=positions[0])
+            deliver_resume(loader, mine, drawing, record=saved[0])
         else:
-            _deal_batches(loader, resumes, drawing, batch_size, drop_last, record=positions[0])
+            _deal_batches(loader, resumes, drawing, batch_size, drop_last, record=saved[0])
 
 
-def _resume_own(loader: Any, state: dict[str, Any], position: dict[str, Any] | None) -> None:
-    """The loader's own state, at the saved epoch (the next one where it was over) and draw."""
+def _resume_own(loader: Any, state: dict[str, Any], position: SavedPosition | None) -> None:
+    """The loader's own state, at the saved epoch (the next one where it was over; the first, 0, where
+    the checkpoint does not say) and draw."""
     if position is None:
         loader.load_state_dict(state)
         return
-    finished = position["finished"]
-    loader.load_state_dict({} if finished else state)
-    accelerate_patch.set_loader_epoch(loader, int(position["epoch"]) + int(finished))
-    drawing = drawing_sampler(loader)
-    draw = _drawn(position["order"])
-    if finished:
-        restore_generator(drawing, position["generator"])
-    elif draw is not None:
-        if drawing is None:
-            raise MismatchError("a stateful dataloader was saved with an order drawn from a generator (shuffle=True) "
-                                "and the live one draws none", key=DATALOADER_COMPONENT)
-        replay_order(drawing, torch.frombuffer(bytearray(draw["generator"]), dtype=torch.uint8))
+    loader.load_state_dict({} if position.finished else state)
+    continue_own(position, drawing_sampler(loader),
+                 lambda epoch: accelerate_patch.set_loader_epoch(loader, epoch or 0), loader="stateful dataloader")
 
 
 def _deal_batches(loader: Any, resumes: list[Any], drawing: Any, batch_size: int, drop_last: bool, *,
@@ -169,17 +161,16 @@ def _position(index: str, loader: Any, state: dict[str, Any]) -> dict[str, Any] 
     seed = accelerate_patch.seeded_order(sampler)
     order = order_of_sampler(sampler) if seed is None else {"kind": "permutation", "size": len(sampler),
                                                              "seed": seed + epoch}
-    consumed, finished = batches_yielded(state), bool(state.get("_iterator_finished"))
+    counts = consumed_batches(state)
+    if counts is None:
+        return None  # not a StatefulDataLoader's state: its own state alone
+    consumed, finished = counts
     resumed = accelerate_patch.resumed_batches(loader) or resumed_epoch_of(loader)
     if order is None and resumed is None:
-        if drawing is not None and consumed and not finished:
-            follow_order(drawing)  # from its next epoch on
-            raise CheckpointError(
-                f"stateful dataloader {index}: its {type(drawing).__name__} drew this epoch's order from its generator "
-                "before bcp followed it (the loader was prepared before bcp_accelerate was installed), and the "
-                "generator has moved on since, so a resume could not walk the same order; enable bcp "
-                "(ACCELERATE_CHECKPOINT_ENGINE=bcp, or bcp_accelerate.enable) before accelerator.prepare()",
-                key=DATALOADER_COMPONENT)
+        refuse_unfollowed_draw(drawing, consumed, finished, loader=f"stateful dataloader {index}",
+                               cause=" (the loader was prepared before bcp_accelerate was installed)",
+                               remedy="enable bcp (ACCELERATE_CHECKPOINT_ENGINE=bcp, or bcp_accelerate.enable) before "
+                                      "accelerator.prepare()")
         return None  # an order bcp cannot rebuild (an iterable dataset, another sampler): its own state alone
     if resumed is not None:
         walk, consumed = resumed.walk, consumed * batch_size  # a resumed share is counted in samples
@@ -195,34 +186,15 @@ def _position(index: str, loader: Any, state: dict[str, Any]) -> dict[str, Any] 
     return position
 
 
-def _saved_position(part: dict[str, Any], index: str) -> dict[str, Any] | None:
-    """A loader's saved position; a checkpoint of a shuffled loader saved with the generator state of
-    its draw alone (``drawn_from``, as bcp_accelerate saved it before positions) replays that draw."""
-    position = part.get("positions", {}).get(index)
-    draw = part.get("drawn_from", {}).get(index)
-    if position is None and draw is not None:
-        return {"order": {"kind": "drawn", "generator": draw.numpy().tobytes()}, "finished": False, "epoch": 0}
-    return position
-
-
-def _drawn(order: dict[str, Any] | None) -> dict[str, Any] | None:
-    while order is not None and order["kind"] == "through":
-        order = order["inner"]
-    return order if order is not None and order["kind"] == "drawn" else None
-
-
 def _batching(loader: Any) -> tuple[int | None, bool]:
     """The batch size and drop_last of the user's batch sampler (None: a custom one)."""
-    user = accelerate_patch.user_batch_sampler(loader)
-    if not loaders_own_batch_sampler(user):
-        return None, False
-    return user.batch_size, bool(user.drop_last)
+    return batching_of(accelerate_patch.user_batch_sampler(loader))
 
 
 def component(accelerator: Any) -> dict[str, bcp.DataloaderState]:
     """``{"dataloader": ...}`` when the accelerator has stateful dataloaders, else nothing. Every
     process is a DP rank (accelerate's data parallelism) and writes its own part."""
-    loaders = StatefulLoaders(accelerator._dataloaders, process=accelerator.process_index,
+    loaders = StatefulLoaders(accelerate_patch.prepared(accelerator, "dataloaders"), process=accelerator.process_index,
                               processes=accelerator.num_processes)
     if not loaders.loaders:
         return {}

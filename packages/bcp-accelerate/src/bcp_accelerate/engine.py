@@ -25,6 +25,7 @@ import bcp
 from bcp import AdapterError, CheckpointNotCommittedError, MismatchError
 from bcp.integration import checkpoint_location, refusing_pickled_code
 from bcp_accelerate import components, dataloaders, folders, framework_files, generations, hooks, places
+from bcp_accelerate.accelerate_patch import prepared
 from bcp_accelerate.consensus import on_all_ranks
 from bcp_accelerate.engine_variable import ENGINE_VARIABLE
 
@@ -74,10 +75,10 @@ def state_to_save(accelerator: accelerate.Accelerator, saved_models: list[int], 
     """What ``bcp.save`` gets: the record, the registered objects, the stateful dataloaders, the
     models the pre-hooks left and every optimizer. ``files``: the sub-folder of accelerate's own
     files, None where they are in the checkpoint itself (``FILES``, a memory tier)."""
-    models, optimizers = accelerator._models, accelerator._optimizers
+    models, optimizers = prepared(accelerator, "models"), prepared(accelerator, "optimizers")
     state: dict[str, Any] = {RECORD: {
         "step": accelerator.step, "models": saved_models, "num_models": len(models),
-        "num_optimizers": len(optimizers), "num_custom_objects": len(accelerator._custom_objects),
+        "num_optimizers": len(optimizers), "num_custom_objects": len(prepared(accelerator, "custom_objects")),
         "files": files, "custom_objects_in_bcp": True, "dataloaders_in_bcp": True,
     }}
     state.update(_custom_components(accelerator))
@@ -146,7 +147,7 @@ def load_models(accelerator: accelerate.Accelerator, target: Any, record: dict[s
     """Load the models the pre-hooks left, every optimizer, the registered objects and the stateful
     dataloaders (where the record says bcp saved them) and ``extra`` components from ``target`` (a
     folder or a memory tier); returns the loaded state."""
-    models, optimizers = accelerator._models, accelerator._optimizers
+    models, optimizers = prepared(accelerator, "models"), prepared(accelerator, "optimizers")
     state: dict[str, Any] = dict(extra or {})
     model = components.model_component(models, loaded_models)
     if model is not None:
@@ -170,16 +171,16 @@ def load_accelerate_files(accelerator: accelerate.Accelerator, files_dir: str, l
     """Accelerate's own loaders of its files (schedulers, samplers, RNG, scaler) over ``files_dir``,
     a local folder; a pickle torch refuses is a ``bcp.UnsafeCheckpointError`` naming ``source``
     (the checkpoint and where in it the files are)."""
-    loaders = dataloaders.for_accelerate_files(accelerator._dataloaders, in_bcp=loaders_in_bcp)
+    loaders = dataloaders.for_accelerate_files(prepared(accelerator, "dataloaders"), in_bcp=loaders_in_bcp)
     with refusing_pickled_code(*source):
-        load_accelerator_state(files_dir, [], [], accelerator._schedulers, loaders, accelerator.process_index,
-                               accelerator.scaler, None, load_kwargs)
+        load_accelerator_state(files_dir, [], [], prepared(accelerator, "schedulers"), loaders,
+                               accelerator.process_index, accelerator.scaler, None, load_kwargs)
 
 
 def save_accelerate_files(accelerator: accelerate.Accelerator, files_dir: str, safe_serialization: bool) -> None:
     """Accelerate's own savers of its files into ``files_dir``, a local folder."""
-    save_accelerator_state(files_dir, [], [], accelerator._schedulers,
-                           dataloaders.for_accelerate_files(accelerator._dataloaders, in_bcp=True),
+    save_accelerator_state(files_dir, [], [], prepared(accelerator, "schedulers"),
+                           dataloaders.for_accelerate_files(prepared(accelerator, "dataloaders"), in_bcp=True),
                            accelerator.process_index, accelerator.step, accelerator.scaler,
                            save_on_each_node=accelerator.project_configuration.save_on_each_node,
                            safe_serialization=safe_serialization)
@@ -193,7 +194,7 @@ def _save_accelerate_files(accelerator: accelerate.Accelerator, files_dir: str, 
 def _custom_components(accelerator: accelerate.Accelerator) -> dict[str, Any]:
     """The registered objects as bcp components: bcp saves their ``state_dict()`` per process and
     hands the loaded one to ``load_state_dict``."""
-    return {f"{CUSTOM_PREFIX}{i}": obj for i, obj in enumerate(accelerator._custom_objects)}
+    return {f"{CUSTOM_PREFIX}{i}": obj for i, obj in enumerate(prepared(accelerator, "custom_objects"))}
 
 
 def _load_accelerate_files(accelerator: accelerate.Accelerator, folder: str, files: str, load_kwargs: dict | None,
@@ -202,7 +203,7 @@ def _load_accelerate_files(accelerator: accelerate.Accelerator, folder: str, fil
         load_accelerate_files(accelerator, files_dir, load_kwargs, loaders_in_bcp=loaders_in_bcp,
                               source=(folder, files))
         if not custom_in_bcp:  # a checkpoint from before the objects went into bcp: their .pkl files
-            for index, obj in enumerate(accelerator._custom_objects):
+            for index, obj in enumerate(prepared(accelerator, "custom_objects")):
                 framework_files.load_custom_state(obj, files_dir, index)
 
 
@@ -245,8 +246,9 @@ _DESCRIBED = {"num_models": "prepared models", "num_optimizers": "prepared optim
 
 def check_matches(record: dict[str, Any], accelerator: accelerate.Accelerator, loaded_models: list[int],
                    folder: str) -> None:
-    live = {"num_models": len(accelerator._models), "num_optimizers": len(accelerator._optimizers),
-            "num_custom_objects": len(accelerator._custom_objects), "models": loaded_models}
+    live = {"num_models": len(prepared(accelerator, "models")),
+            "num_optimizers": len(prepared(accelerator, "optimizers")),
+            "num_custom_objects": len(prepared(accelerator, "custom_objects")), "models": loaded_models}
     differences = [f"{_DESCRIBED[key]}: {record[key]} saved, {value} now" for key, value in live.items()
                    if record[key] != value]
     if differences:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import accelerate
 from accelerate.utils import DistributedType
 
+from bcp_accelerate.accelerate_patch import prepared, state_pre_hooks
+
 
 def models_to_save(accelerator: accelerate.Accelerator, output_dir: str) -> list[int]:
     """Run the save hooks; the indices of the models whose state dict they left in ``weights``."""
-    models = accelerator._models
-    hooks = list(accelerator._save_model_state_pre_hook.values())
+    models = prepared(accelerator, "models")
+    hooks = state_pre_hooks(accelerator, "save")
     offered = [] if _fsdp(accelerator) or not hooks else [accelerator.get_state_dict(m, unwrap=False) for m in models]
     weights = list(offered)
     for hook in hooks:
@@ -28,10 +30,10 @@ def models_to_save(accelerator: accelerate.Accelerator, output_dir: str) -> list
 
 def models_to_load(accelerator: accelerate.Accelerator, input_dir: str) -> list[int]:
     """Run the load hooks; the indices of the models they left in the list."""
-    models = accelerator._models
+    models = prepared(accelerator, "models")
     offered = [] if _fsdp(accelerator) else list(models)
     remaining = list(offered)
-    for hook in accelerator._load_model_state_pre_hook.values():
+    for hook in state_pre_hooks(accelerator, "load"):
         hook(remaining, input_dir)
     return _still_there(models, offered, remaining)
 

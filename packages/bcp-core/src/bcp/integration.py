@@ -25,8 +25,16 @@ test walks their imports).
   ``rebuild_order``, ``order_shape``, and the
   rank's ``Walk`` of it, ``natural_walk``) and how a rank of another number continues every saved
   rank's (``plan_resume``, delivered by ``deliver_resume``; ``resumed_epoch_of`` and
-  ``unwrap_resumed`` see through a loader delivering one; ``restore_generator``);
-- framework files: a framework's own pickled files in a checkpoint folder, read safely.
+  ``unwrap_resumed`` see through a loader delivering one; ``restore_generator``); a saved position as
+  one typed record (``SavedPosition``, both the current shape and the draw saved alone before
+  positions) and the steps an integration's resume shares with the others (``batching_of``,
+  ``consumed_batches``, ``refuse_unfollowed_draw``, ``continue_own``): each integration supplies only
+  its sampler and shard accessors;
+- framework files: a framework's own pickled files in a checkpoint folder, read safely;
+- private names: ``private_name(owner, name, distribution=..., tested=...)`` reads a framework's
+  private name and fails with a ``MovedNameError`` naming it and the versions it was tested in where
+  it moved, as the core's own reads of torch's private names do (each integration keeps its names
+  in one module).
 """
 
 from __future__ import annotations
@@ -49,9 +57,11 @@ from bcp.adapters.epoch_positions import deliver as deliver_resume
 from bcp.adapters.epoch_positions import plan as plan_resume
 from bcp.adapters.epoch_positions import position as loader_position
 from bcp.adapters.epoch_walks import Walk
+from bcp.adapters.loader_positions import (SavedPosition, batching_of, consumed_batches, continue_own,
+                                           refuse_unfollowed_draw)
 from bcp.adapters.resumed_epoch import original_of as unwrap_resumed
 from bcp.adapters.resumed_epoch import resumed as resumed_epoch_of
-from bcp.adapters.torch_internals import state_batches_yielded as batches_yielded
+from bcp.torch_internals.dataloader import state_batches_yielded as batches_yielded
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.load import Want, Wanted, load_wanted
 from bcp.api.location import resolve as checkpoint_location
@@ -67,6 +77,7 @@ from bcp.layout.manifest import Manifest, ObjectEntry, TensorEntry
 from bcp.layout.piece import Piece
 from bcp.planning.pieces import pieces_of
 from bcp.storage import Storage, is_url, storage_for
+from bcp.torch_internals import MovedNameError, private_name
 
 __all__ = [
     # coordination
@@ -84,10 +95,13 @@ __all__ = [
     "checkpoint_location", "Storage", "storage_for", "is_url",
     # adapters
     "initialize_state", "replace_state", "adapter_for", "DATALOADER_COMPONENT", "OPTIMIZER_STATE_PREFIX", "OPTIMIZER_PARAM_GROUPS",
-    "nested_optimizer_state", "flat_optimizer_values", "batches_yielded", "reshard_states",
+    "nested_optimizer_state", "flat_optimizer_values", "batches_yielded",
     "draws_its_order", "drawn_from", "follow_order", "replay_order",
     "loader_position", "order_of_sampler", "distributed_order", "rebuild_order", "order_shape", "natural_walk", "Walk", "plan_resume", "Resume",
     "deliver_resume", "resumed_epoch_of", "unwrap_resumed", "restore_generator", "loaders_own_batch_sampler",
+    "SavedPosition", "batching_of", "consumed_batches", "refuse_unfollowed_draw", "continue_own",
     # frameworks' own pickled files in a checkpoint folder, read safely
     "refusing_pickled_code",
+    # a framework's private name, read where its tested versions have it
+    "private_name", "MovedNameError",
 ]

@@ -6,8 +6,10 @@ nothing about the loaders. So, for those, the fit loop's ``_process_dataloader``
 train loader after Lightning put its sampler in, before the loop restores the loader's state and
 iterates it) is wrapped; everything bcp_lightning does there is ``loader_states.on_train_loader``.
 The other private names bcp_lightning reads are here too: the fit loop's loaders and the loader
-states it is about to restore, its count of batches done in the epoch, and the sampler Lightning's
-``DistributedSamplerWrapper`` wraps.
+states it is about to restore, its count of batches done in the epoch, the sampler Lightning's
+``DistributedSamplerWrapper`` wraps, the torch optimizer inside a ``LightningOptimizer`` and
+``core.saving._load_state``, through which ``load_from_checkpoint`` builds a module from a
+checkpoint dict (a moved one fails naming it and ``TESTED``).
 
 Each Lightning package (``lightning``, the standalone ``pytorch_lightning``) is patched only in the
 versions tested (``TESTED``) and only where the names are as expected; otherwise nothing is patched
@@ -22,6 +24,8 @@ import importlib
 import importlib.metadata
 import inspect
 from typing import Any, Callable
+
+from bcp.integration import private_name
 
 #: Lightning versions whose fit loop calls ``_process_dataloader(trainer, trainer_fn, stage, dataloader)``
 #: for every train loader before it restores their states and iterates them.
@@ -116,3 +120,29 @@ def batches_done(trainer: Any) -> int:
 def wrapped_sampler(sampler: Any) -> Any:
     """The sampler Lightning's ``DistributedSamplerWrapper`` deals the indices of, or None."""
     return getattr(getattr(sampler, "dataset", None), "_sampler", None)
+
+
+def torch_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (``optimizer`` itself
+    when it is not wrapped)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def module_from_checkpoint(cls: type, checkpoint: dict[str, Any], **kwargs: Any) -> Any:
+    """``cls`` built from a checkpoint dict as ``cls.load_from_checkpoint`` builds it (hyper-parameters,
+    weights, ``on_load_checkpoint``), through ``core.saving._load_state`` of its Lightning package."""
+    saving = _saving_module(cls)
+    distribution = PACKAGES[saving.__name__.rpartition(".core.")[0]]
+    return private_name(saving, "_load_state", distribution=distribution, tested=TESTED)(cls, checkpoint, **kwargs)
+
+
+def _saving_module(cls: type) -> Any:
+    """``core.saving`` of the Lightning package ``cls`` belongs to (``lightning.pytorch`` or the
+    standalone ``pytorch_lightning``): where ``load_from_checkpoint`` builds a module from a
+    checkpoint dict."""
+    for base in cls.__mro__:
+        module = base.__module__
+        for package in ("lightning.pytorch", "pytorch_lightning"):
+            if module.startswith(package + ".core."):
+                return importlib.import_module(package + ".core.saving")
+    raise TypeError(f"{cls.__name__} is not a LightningModule or LightningDataModule")

@@ -38,9 +38,10 @@ from torch.utils.data import DistributedSampler
 
 import bcp
 from bcp.integration import DATALOADER_COMPONENT as COMPONENT
-from bcp.integration import (batches_yielded, default_coordinator, deliver_resume, distributed_order, draws_its_order,
-                             follow_order, loader_position, loaders_own_batch_sampler, natural_walk, order_of_sampler, order_shape,
-                             plan_resume, replay_order, restore_generator, resumed_epoch_of, unwrap_resumed)
+from bcp.integration import (SavedPosition, batching_of, consumed_batches, continue_own, default_coordinator,
+                             deliver_resume, distributed_order, draws_its_order, follow_order, loader_position,
+                             natural_walk, order_of_sampler, order_shape, plan_resume, refuse_unfollowed_draw,
+                             resumed_epoch_of, unwrap_resumed)
 from bcp_lightning import lightning_patch
 
 _PATH = ("loops", "fit_loop", "state_dict")
@@ -93,7 +94,8 @@ class FitLoopLoaders:
         complete = len(self.ranks) == self.world
         entry = self.ranks[self.rank if complete and self.world == self.live_world else 0]
         positions = [e.get("positions", [None] * (index + 1))[index] for e in self.ranks]
-        own = (entry.get("positions") or [None] * (index + 1))[index] or _drawn_before_positions(entry, index)
+        own = SavedPosition.read((entry.get("positions") or [None] * (index + 1))[index],
+                                 (entry.get("drawn_from") or [None] * (index + 1))[index])
         return LoaderResume(index, entry["loaders"][index], own, self.world,
                             positions if complete and all(p is not None for p in positions) else None,
                             complete=complete)
@@ -108,7 +110,7 @@ class LoaderResume:
 
     index: int
     state: dict[str, Any]
-    own: dict[str, Any] | None
+    own: SavedPosition | None
     world: int
     positions: list[dict[str, Any]] | None
     complete: bool = True
@@ -120,8 +122,8 @@ class LoaderResume:
         walking, drawing = walking_sampler(loader), drawing_sampler(loader)
         if self.world == _ranks()[1] and (self.own is None or _walks_as_saved(walking, self.own)):
             if self.own is not None:
-                _continue_own(walking, drawing, self.own)
-                if self.own["finished"]:  # its state would end the next epoch at once: the next one starts fresh
+                continue_own(self.own, drawing, lambda epoch: _set_epoch(walking, epoch), loader="train dataloader")
+                if self.own.finished:  # its state would end the next epoch at once: the next one starts fresh
                     states[self.index] = {}
             return
         self._refuse_without_positions()
@@ -133,7 +135,7 @@ class LoaderResume:
         rank, world = _ranks()
         resume = plan_resume(self.positions, world, rank, batch_size=batch_size, batch_drop_last=drop_last,
                              drop=drop_last or getattr(walking, "drop_last", False))
-        _set_epoch(walking, self.positions[0], finished=resume.finished)
+        _set_epoch(walking, resume.next_epoch())
         deliver_resume(loader, resume, drawing, record=self.positions[0])
         if self.counts_batches:
             done = lightning_patch.batches_done(trainer)
@@ -155,56 +157,24 @@ class LoaderResume:
                 key=COMPONENT)
 
 
-def _walks_as_saved(walking: Any, own: dict[str, Any]) -> bool:
+def _walks_as_saved(walking: Any, own: SavedPosition) -> bool:
     """Whether the live loader walks what its saved state walked: its own share of the same order (on
     as many ranks), not a resumed epoch's share. A state saved with its draw alone (before positions)
     is taken as its own."""
-    if "walk" not in own:
+    if own.saved is None:
         return True
-    if own.get("resumed", False):
+    if own.resumed:
         return False
-    epoch = own.get("epoch")
-    if epoch is not None and callable(getattr(walking, "set_epoch", None)):
-        walking.set_epoch(int(epoch))  # the order it walks in the saved epoch
-    walk, saved = natural_walk(walking), own["walk"]
+    _set_epoch(walking, own.epoch)  # the order it walks in the saved epoch
+    walk, saved = natural_walk(walking), own.saved["walk"]
     return (walk.world, walk.end) == (saved["world"], saved["end"]) \
-        and _order(walking, shape_only=True) == order_shape(own["order"])
+        and _order(walking, shape_only=True) == order_shape(own.order)
 
 
-def _continue_own(walking: Any, drawing: Any, own: dict[str, Any]) -> None:
-    """The loader's own state continues: its sampler at the saved epoch (the next one where it was
-    over) and the saved draw (or, for the next epoch, the generator where the saved one stood)."""
-    _set_epoch(walking, own, finished=own.get("finished", False))
-    if own.get("finished", False):
-        restore_generator(drawing, own.get("generator"))
-    else:
-        _replay(drawing, own)
-
-
-def _drawn_before_positions(entry: dict[str, Any], index: int) -> dict[str, Any] | None:
-    """A position for a loader state saved with the generator state its order was drawn from alone
-    (``drawn_from``, as bcp_lightning saved shuffled loaders before positions)."""
-    draw = (entry.get("drawn_from") or [None] * (index + 1))[index]
-    if draw is None:
-        return None
-    return {"order": {"kind": "drawn", "generator": draw.numpy().tobytes()}, "finished": False, "epoch": None}
-
-
-def _set_epoch(sampler: Any, position: dict[str, Any], *, finished: bool) -> None:
-    """The saved epoch (the next one where it was over), before the loop's first iteration."""
-    if position.get("epoch") is not None and callable(getattr(sampler, "set_epoch", None)):
-        sampler.set_epoch(int(position["epoch"]) + int(finished))
-
-
-def _replay(drawing: Any, position: dict[str, Any]) -> None:
-    order = position["order"]
-    while order is not None and order["kind"] == "through":
-        order = order["inner"]
-    if order is not None and order["kind"] == "drawn":
-        if drawing is None:
-            raise bcp.MismatchError("a train dataloader was saved with an order drawn from a generator (shuffle=True) "
-                                    "and the live one draws none", key=COMPONENT)
-        replay_order(drawing, torch.frombuffer(bytearray(order["generator"]), dtype=torch.uint8))
+def _set_epoch(sampler: Any, epoch: int | None) -> None:
+    """The epoch to walk, before the loop's first iteration (nothing where it is unknown)."""
+    if epoch is not None and callable(getattr(sampler, "set_epoch", None)):
+        sampler.set_epoch(int(epoch))
 
 
 def _ranks() -> tuple[int, int]:
@@ -280,19 +250,16 @@ def _position(index: int, loader: Any, state: Any) -> dict[str, Any] | None:
     batch_size, drop_last = _batching(loader)
     if batch_size is None:
         return None  # a custom batch sampler: which samples its batches hold is its own
-    try:
-        consumed, finished = batches_yielded(state) * batch_size, bool(state["_iterator_finished"])
-    except (KeyError, TypeError):
+    counts = consumed_batches(state)
+    if counts is None:
         return None  # not a StatefulDataLoader's state
+    consumed, finished = counts[0] * batch_size, counts[1]
     walking, drawing = walking_sampler(loader), drawing_sampler(loader)
     order = _order(walking)
     if order is None and resumed_epoch_of(loader) is None:
-        if drawing is not None and consumed and not finished:
-            raise bcp.CheckpointError(
-                f"train dataloader {index}: its {type(drawing).__name__} drew this epoch's order from its generator "
-                "before bcp followed it, and the generator has moved on since, so a resume could not walk the same "
-                "order; construct BCPCheckpointIO (or a bcp_lightning strategy) before the fit sets up its data",
-                key=COMPONENT)
+        refuse_unfollowed_draw(drawing, consumed, finished, loader=f"train dataloader {index}", cause="",
+                               remedy="construct BCPCheckpointIO (or a bcp_lightning strategy) before the fit sets "
+                                      "up its data")
         return None  # an order bcp cannot rebuild (an iterable dataset, another sampler): its own state alone
     epoch = getattr(walking, "epoch", None)
     saved = loader_position(loader, order, natural_walk(walking), consumed=consumed, finished=finished, epoch=epoch,
@@ -434,10 +401,7 @@ def drawing_sampler(loader: Any) -> Any:
 def _batching(loader: Any) -> tuple[int | None, bool]:
     """The loader's batch size and drop_last: its batch sampler's where it is torch's or torchdata's
     (Lightning rebuilds a loader with its batch sampler around the sampler it puts in), else None."""
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    if not loaders_own_batch_sampler(batch_sampler):
-        return None, False
-    return batch_sampler.batch_size, bool(batch_sampler.drop_last)
+    return batching_of(getattr(loader, "batch_sampler", None))
 
 
 def _stateful(loader: Any) -> bool:

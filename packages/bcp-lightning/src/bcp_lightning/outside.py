@@ -11,13 +11,12 @@ built, whichever way the optimizer state was saved.
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any, Sequence
 
 import torch
 
-from bcp_lightning import convert, paths
+from bcp_lightning import convert, lightning_patch, paths
 from bcp_lightning.io import CheckpointIOMixin
 from bcp_lightning.live_state import TORCH_STATE_DICTS
 
@@ -56,16 +55,5 @@ def load_from_checkpoint(cls: type, path: Any, *, strict: bool | None = None, al
     checkpoint = CheckpointIOMixin(allow_pickle=allow_pickle).load_checkpoint(location)
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
-    return _saving_module(cls)._load_state(cls, checkpoint, strict=strict, **kwargs)
+    return lightning_patch.module_from_checkpoint(cls, checkpoint, strict=strict, **kwargs)
 
-
-def _saving_module(cls: type) -> Any:
-    """``core.saving`` of the Lightning package ``cls`` belongs to (``lightning.pytorch`` or the
-    standalone ``pytorch_lightning``): where ``load_from_checkpoint`` builds a module from a
-    checkpoint dict."""
-    for base in cls.__mro__:
-        module = base.__module__
-        for package in ("lightning.pytorch", "pytorch_lightning"):
-            if module.startswith(package + ".core."):
-                return importlib.import_module(package + ".core.saving")
-    raise TypeError(f"{cls.__name__} is not a LightningModule or LightningDataModule")

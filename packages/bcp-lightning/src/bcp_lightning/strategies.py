@@ -17,10 +17,8 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-import torch
-
 import bcp
-from bcp_lightning import convert, loader_states, targets
+from bcp_lightning import convert, lightning_patch, loader_states, targets
 from bcp_lightning.io import CheckpointIOMixin
 from bcp_lightning.live_state import TORCH_STATE_DICTS, LiveState
 
@@ -72,7 +70,7 @@ class StrategyMixin:
         return self.live_state.model(self.model)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return self.live_state.optimizer(self.model, _unwrap(optimizer), for_load=False)
+        return self.live_state.optimizer(self.model, lightning_patch.torch_optimizer(optimizer), for_load=False)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Every rank saves its part; the path is rank 0's.
@@ -85,7 +83,8 @@ class StrategyMixin:
         """Load the model, and the optimizers when fitting, in place; return Lightning's other entries."""
         path = self._agreed_target(checkpoint_path)
         strict = self.lightning_module.strict_loading
-        optimizers = [_unwrap(o) for o in self.optimizers] if self.lightning_module.trainer.state.fn == "fit" else []
+        fitting = self.lightning_module.trainer.state.fn == "fit"
+        optimizers = [lightning_patch.torch_optimizer(o) for o in self.optimizers] if fitting else []
         model_state = self.live_state.model(self.model)
         optimizer_states = [self.live_state.optimizer(self.model, o, for_load=True) for o in optimizers]
         checkpoint = self.checkpoint_io.load_into(path, model_state, optimizer_states, strict=strict,
@@ -127,7 +126,7 @@ class StrategyMixin:
                 f"into {type(self).__name__}; resume it with BCPDDPStrategy or Lightning's DDP, or save it with "
                 "BCPDDPStrategy, whose checkpoints reshard into every strategy", path=targets.name(path))
         for optimizer, state in zip(self.optimizers, checkpoint[convert.OPTIMIZER_STATES]):
-            _unwrap(optimizer).load_state_dict(state)
+            lightning_patch.torch_optimizer(optimizer).load_state_dict(state)
 
 
 #: Short names of the device mesh's dimensions (ModelParallelStrategy names them so).
@@ -139,7 +138,3 @@ def device_mesh_topology(strategy: Any) -> dict[str, int]:
     mesh = strategy.device_mesh
     return {_MESH_AXES.get(name, name): mesh.get_local_rank(name) for name in mesh.mesh_dim_names}
 
-
-def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper."""
-    return getattr(optimizer, "_optimizer", optimizer)

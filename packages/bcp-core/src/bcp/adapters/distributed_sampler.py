@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch.utils.data import BatchSampler
 
-from bcp.adapters import torch_internals
+from bcp.torch_internals import dataloader as loader_internals
 from bcp.errors import CheckpointError, MismatchError
 
 if TYPE_CHECKING:  # the dataloader module builds on this one
@@ -70,9 +70,9 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
 
     def _walk(self, iteration: int, taken: int) -> Iterator[int]:
         if iteration == self._iterations:
-            reader = torch_internals.calling_iterator()
+            reader = loader_internals.calling_iterator()
             self._reader = None if reader is None else weakref.ref(reader)
-            self._read_ahead = reader is not None and torch_internals.reads_ahead(reader)
+            self._read_ahead = reader is not None and loader_internals.reads_ahead(reader)
         order = self.order()
         while (position := self.start + self.dp_rank + taken * self.dp_size) < self.size:
             taken += 1
@@ -101,12 +101,13 @@ class ResumableDistributedSampler(torch.utils.data.Sampler[int]):
             raise CheckpointError("a DataLoader's read workers asked this sampler for indices ahead of the trainer, "
                                   "and the loader's iterator is gone, so what the trainer consumed is unknown; save "
                                   "while iterating, or put the loader in the DataloaderState", key="dataloader")
-        batches = torch_internals.batch_sampler_of(reader)
-        if not (loaders_own_batch_sampler(batches) and batches.sampler is self) or not torch_internals.in_order(reader):
+        batches = loader_internals.batch_sampler_of(reader)
+        walks_ours = loaders_own_batch_sampler(batches) and batches.sampler is self
+        if not walks_ours or not loader_internals.in_order(reader):
             raise CheckpointError("this sampler is walked by a DataLoader with read workers whose batches are not its "
                                   "batch_size batches of this sampler's order delivered in order (a custom batch sampler "
                                   "or in_order=False), so what the trainer consumed is unknown", key="dataloader")
-        return min(self.resume_at + torch_internals.batches_yielded(reader) * batches.batch_size, self.taken)
+        return min(self.resume_at + loader_internals.batches_yielded(reader) * batches.batch_size, self.taken)
 
     @staticmethod
     def assign_parts(saved: list[PartKey], dp_size: int) -> list[list[PartKey]]:

@@ -4,8 +4,8 @@ it is, with no all-gather and no extra memory (paper section 4.4).
 A flat parameter concatenates a wrapped module's parameters, flattened, and cuts the result evenly
 across ranks, so a rank's piece of a 2-D weight is a flat range, often not a rectangle. Each such
 range becomes a ``FlatShard`` (the core stores it as a few regular boxes); FSDP's own bookkeeping
-(``_shard_param_infos``) says which range of which parameter the local shard holds. With
-``use_orig_params=True`` the optimizer's per-parameter state is shaped like those ranges too.
+(read in ``bcp.torch_internals.fsdp1``) says which range of which parameter the local shard holds.
+With ``use_orig_params=True`` the optimizer's per-parameter state is shaped like those ranges too.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from bcp.adapters.fqn import canonical
 from bcp.adapters.optimizer import STATE, apply_optimizer_values, optimizer_values
 from bcp.errors import AdapterError
 from bcp.layout.shards import FlatShard
+from bcp.torch_internals.fsdp1 import (flat_handle, flat_parameters, persistent_buffers, shared_parameters,
+                                       uses_orig_params)
 
 
 def _fsdp_modules(model: Any) -> list[tuple[str, Any]]:
@@ -45,7 +47,7 @@ class FSDP1Adapter(FrameworkAdapter):
         """Every parameter's local flat range, by canonical FQN (tied names included)."""
         pieces: dict[str, FlatShard] = {}
         for prefix, fsdp in _fsdp_modules(model):
-            handle = fsdp._handle
+            handle = flat_handle(fsdp)
             if handle is None:  # a wrapper with no parameters of its own
                 continue
             flat = handle.flat_param
@@ -53,14 +55,14 @@ class FSDP1Adapter(FrameworkAdapter):
                 raise AdapterError(
                     f"FSDP module {prefix or '<root>'!r} holds unsharded parameters (inside forward, "
                     "summon_full_params or before the post-backward reshard); save or load between steps")
-            for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
+            for fqn, shape, info in flat_parameters(flat):
                 if info.in_shard:
                     local = flat.data[info.offset_in_shard: info.offset_in_shard + info.numel_in_shard]
                     start = info.intra_param_start_idx
                 else:
                     local, start = flat.data[:0], 0
                 pieces[_join(prefix, fqn)] = FlatShard(local, tuple(shape), start)
-            for shared in flat._shared_param_infos:
+            for shared in shared_parameters(flat):
                 primary = _join(prefix, f"{shared.prim_module_name}.{shared.prim_param_name}".lstrip("."))
                 pieces[_join(prefix, f"{shared.module_name}.{shared.param_name}".lstrip("."))] = pieces[primary]
         return pieces
@@ -69,9 +71,8 @@ class FSDP1Adapter(FrameworkAdapter):
         # Never model.state_dict(): under FSDP1 that all-gathers. Buffers are replicated as they are.
         values: dict[str, Any] = dict(self.flat_pieces(model))
         for module_name, module in model.named_modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and name not in module._non_persistent_buffers_set:
-                    values[_join(module_name, name)] = buffer
+            for name, buffer in persistent_buffers(module):
+                values[_join(module_name, name)] = buffer
         for name, param in model.named_parameters():
             values.setdefault(canonical(name), param)  # parameters outside any FSDP unit (ignored modules)
         return values
@@ -97,7 +98,8 @@ class FSDP1Adapter(FrameworkAdapter):
     @staticmethod
     def _check_orig_params(model: nn.Module) -> None:
         for prefix, fsdp in _fsdp_modules(model):
-            if fsdp._handle is not None and not fsdp._handle._use_orig_params:
+            handle = flat_handle(fsdp)
+            if handle is not None and not uses_orig_params(handle):
                 raise AdapterError(
                     f"FSDP module {prefix or '<root>'!r} uses use_orig_params=False: its optimizer state "
                     "belongs to flat parameters, not to named parameters; wrap with use_orig_params=True")

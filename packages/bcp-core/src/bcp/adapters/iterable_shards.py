@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from torch.utils.data import IterableDataset
 
 from bcp.errors import MismatchError
+from bcp.torch_internals.dataloader import state_dataset_states
 
 if TYPE_CHECKING:  # the dataloader module builds on this one
     from bcp.adapters.part_key import PartKey
@@ -79,7 +80,7 @@ class IterableShards:
             return
         positions: dict[str, Any] = {}
         for dp, state in enumerate(sharded):
-            for worker, dataset_state in enumerate(_dataset_states(state)):
+            for worker, dataset_state in enumerate(state_dataset_states(state)):
                 shards = dataset_state.get(SHARDS) if isinstance(dataset_state, dict) else None
                 if not isinstance(shards, dict):
                     raise MismatchError(f"DP index {dp}, read worker {worker}: the dataset's state has no "
@@ -92,10 +93,3 @@ class IterableShards:
         self.loader.load_state_dict({})  # a fresh iteration: the workers start from the dataset given below
         self.loader.dataset.load_shard_positions(positions)
 
-
-def _dataset_states(state: dict[str, Any]) -> list[Any]:
-    """The dataset states a StatefulDataLoader's state holds: one per read worker (or the loader's own)."""
-    if "_snapshot" in state:
-        workers = state["_snapshot"].get("_worker_snapshots") or {}
-        return [workers[name].get("dataset_state") for name in sorted(workers)]
-    return [state.get("dataset_state")]

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import DataLoader, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from bcp.adapters import epoch_order, torch_internals
+from bcp.adapters import epoch_order
+from bcp.torch_internals import dataloader as loader_internals
 from bcp.adapters.distributed_sampler import ResumableDistributedSampler, loaders_own_batch_sampler
 from bcp.adapters.epoch_positions import deliver, natural_walk, plan, position
 from bcp.adapters.epoch_walks import Walk
@@ -85,7 +86,7 @@ def _follow(loader: DataLoader) -> None:
     if loader in _LAST_ITERATORS:
         return
     _LAST_ITERATORS[loader] = None
-    torch_internals.on_new_iterator(loader, lambda iterator: _LAST_ITERATORS.__setitem__(loader, iterator))
+    loader_internals.on_new_iterator(loader, lambda iterator: _LAST_ITERATORS.__setitem__(loader, iterator))
 
 
 class LoaderPosition:
@@ -103,12 +104,12 @@ class LoaderPosition:
     def _batches(self) -> int | None:
         """The batches the loader's current iterator has yielded to the trainer, or None when it has
         no iterator bcp can see and nothing reads ahead. Raises where one read ahead unseen."""
-        current = torch_internals.current_iterator(self.loader)
+        current = loader_internals.current_iterator(self.loader)
         if self._stateful:
-            pending = torch_internals.pending_state(self.loader)  # loaded, not yet iterated
+            pending = loader_internals.pending_state(self.loader)  # loaded, not yet iterated
             if current is None:
-                return torch_internals.state_batches_yielded(pending) if pending else None
-            return torch_internals.batches_yielded(current)
+                return loader_internals.state_batches_yielded(pending) if pending else None
+            return loader_internals.batches_yielded(current)
         if self.loader.num_workers == 0:
             return None  # nothing reads ahead: the sampler's count is the trainer's
         iterator = current if self.loader.persistent_workers else _LAST_ITERATORS.get(self.loader)
@@ -118,7 +119,7 @@ class LoaderPosition:
                 "its workers read ahead of the trainer, so the sampler's count is not what the trainer consumed. "
                 "Build the DataloaderState before iterating, or use persistent_workers=True or torchdata's "
                 "StatefulDataLoader", key=_KEY)
-        return None if iterator is None else torch_internals.batches_yielded(iterator)
+        return None if iterator is None else loader_internals.batches_yielded(iterator)
 
     def _handed_out(self) -> bool:
         sampler = self.sampler
@@ -150,7 +151,7 @@ class LoaderPosition:
         """Where this rank stands in the epoch's order (the resumed share it walks, after a resume)."""
         batches = self._batches() or 0
         walk = natural_walk(self.sampler)
-        finished = self._stateful and torch_internals.finished(self.loader)
+        finished = self._stateful and loader_internals.finished(self.loader)
         return position(self.loader, epoch_order.distributed(self.sampler), walk,
                         consumed=batches * self.batch_size, finished=finished, epoch=self.sampler.epoch,
                         batch_size=self.batch_size, batch_drop_last=self.loader.drop_last, drop=self._drops(),
@@ -185,7 +186,7 @@ class LoaderPosition:
         if self._stateful:
             self.loader.load_state_dict({})
         elif self.loader.persistent_workers:
-            torch_internals.drop_iterator(self.loader)
+            loader_internals.drop_iterator(self.loader)
 
     def _load_distributed_sampler(self, replicated: dict[str, Any], sharded: list[dict[str, Any]]) -> None:
         """Deal the rest of the saved epoch to this rank (its own batches again on the same DP size)."""

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
-from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -38,6 +36,7 @@ from bcp.engine.shared_memory import shared_memory_available
 from bcp.engine.staging import HostBufferPool
 from bcp.planning.plan_cache import PlanCache
 from bcp.planning.reuse_memory import ReuseMemory
+from bcp.torch_internals.distributed import at_exit_before_thread_pools, on_groups_destroyed
 
 #: After a Ctrl-C at exit, how long the abandoned saves get to stop and remove their files.
 ABANDON_WAIT_S = 30.0
@@ -171,37 +170,9 @@ def _forget_in_child() -> None:
     _current = Runtime()
 
 
-def _watch_group_destruction() -> None:
-    """torch has no callback for a destroyed process group. ``destroy_process_group`` (and abort)
-    end by unregistering the group from c10d's registry through module-level functions it looks up
-    at each call, so wrapping those catches every destruction, however the caller reached it."""
-    c10d = dist.distributed_c10d
-    for name in ("_unregister_process_group", "_unregister_all_process_groups"):
-        original = getattr(c10d, name, None)
-        if original is not None and not getattr(original, "_bcp_watched", False):
-            setattr(c10d, name, _then_release(original))
-
-
-def _then_release(original: Callable[..., Any]) -> Callable[..., Any]:
-    def unregister(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        _after_groups_destroyed()
-        return result
-
-    unregister._bcp_watched = True  # type: ignore[attr-defined]
-    return unregister
-
-
 # concurrent.futures refuses new work once its own exit hook has run, and a save's writers use
-# thread pools: our hook must run before that one. threading's exit hooks run before atexit's,
-# newest first; fall back to atexit where that private hook is missing.
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_at_exit)
-else:
-    import atexit
-
-    atexit.register(_at_exit)
+# thread pools: our hook must run before that one.
+at_exit_before_thread_pools(_at_exit)
 os.register_at_fork(after_in_child=_forget_in_child)
 if dist.is_available():
-    _watch_group_destruction()
+    on_groups_destroyed(_after_groups_destroyed)

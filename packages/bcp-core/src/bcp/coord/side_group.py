@@ -32,6 +32,7 @@ import torch.distributed as dist
 from bcp.coord.forked_children import left_alone_in_forked_children
 from bcp.coord.waiting import ranks_text, store_keys_set, store_wait, wait_for
 from bcp.errors import DistributedError
+from bcp.torch_internals.distributed import default_store, live_groups
 
 # How long a member that saw a failure waits for the others' reports before naming the silent ones.
 REPORT_GRACE_S = 5.0
@@ -71,7 +72,7 @@ class SideGroup:
             # numbers each re-creation, and every member adds to it once per re-creation, so the
             # k-th group of each member lands under the same prefix (no store key is ever reused).
             base = dist.PrefixStore(f"bcp/coord/{_digest(members)}/{timeout:g}/{channel}/",
-                                    dist.distributed_c10d._get_default_store())
+                                    default_store())
             incarnation = (base.add("created", 1) - 1) // self.size
             self.store = dist.PrefixStore(f"{incarnation}/", base)
             self._meet(warn_after)
@@ -239,7 +240,7 @@ class SideGroup:
 def release_side_groups(every: bool = False) -> int:
     """Shut down the side groups whose process groups were all destroyed (``every``: all of them);
     returns how many. Members reach the same decision, as in :func:`side_group`."""
-    live = dist.distributed_c10d._world.pg_map if dist.is_available() else {}
+    live = live_groups()
     with _lock:
         released = [key for key, group in _live.items() if every or not group._anchored(live)]
         groups = [_live.pop(key) for key in released]
@@ -253,7 +254,7 @@ def side_group(parent: "dist.ProcessGroup", timeout: float, channel: str,
     """The side group for ``parent``'s members on ``channel``: the one already handed out while a
     live process group holds it, else a new one (collective over the members only; still waiting
     for members after ``warn_after`` seconds, it warns naming them, and it fails at ``timeout``)."""
-    live = dist.distributed_c10d._world.pg_map
+    live = live_groups()
     if parent == dist.GroupMember.NON_GROUP_MEMBER:  # torch's stand-in for a group this rank is not in
         raise DistributedError(f"rank {dist.get_rank()} is not a member of the coordinator's process group")
     if parent is None or parent not in live:

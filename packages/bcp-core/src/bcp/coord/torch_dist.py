@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from bcp.coord.side_group import SideGroup, side_group
 from bcp.coord.waiting import timeout_from_env, warn_after_from_env
+from bcp.torch_internals.distributed import group_timeout
 
 DEFAULT_TIMEOUT_S = 600.0
 # Size of the block every exchange starts with (per rank, so it stays small for thousands of ranks).
@@ -146,10 +147,5 @@ def _to_tensor(data: bytes, width: int) -> torch.Tensor:
 
 
 def _group_timeout(group: "dist.ProcessGroup") -> float:
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except Exception:  # private attribute: fall back to a bounded default if torch moves it
-        try:
-            return group._get_backend(torch.device("cuda")).options._timeout.total_seconds()
-        except Exception:
-            return DEFAULT_TIMEOUT_S
+    timeout = group_timeout(group)
+    return DEFAULT_TIMEOUT_S if timeout is None else timeout

@@ -37,9 +37,9 @@ from torch.autograd.graph import increment_version
 from bcp.engine.chunked_copies import ChunkedCopies
 from bcp.layout.box import row_major_strides
 from bcp.layout.read_op import ReadOp
+from bcp.torch_internals.tensors import can_exchange_storages, exchange_storages
 
-# Private in torch (present since 2.3); without it every placement copies.
-_CAN_EXCHANGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+_CAN_EXCHANGE = can_exchange_storages()  # without it every placement copies
 
 Request = tuple[torch.Tensor, tuple[int, ...], torch.dtype]  # (live piece, shape, saved dtype)
 
@@ -170,7 +170,7 @@ class Staging:
             future.result()
         for mirror in self._mirrors:
             _fill_gaps(mirror)
-            mirror.live._swap_data_ptr_(mirror.staging)
+            exchange_storages(mirror.live, mirror.staging)
             for tensor in mirror.tensors:
                 increment_version(tensor)  # autograd sees an in-place change, as a copy would make it
         mirrored = {id(t) for mirror in self._mirrors for t in mirror.tensors}

@@ -26,6 +26,7 @@ import torch
 
 from bcp.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
 from bcp.layout.dtypes import dtype_from_name, dtype_name, itemsize
+from bcp.layout.shards import is_dtensor
 
 _MAX_NDIM = 1024  # as for tensors in the shard table: a record's shape cannot cost much memory
 
@@ -163,7 +164,7 @@ class _Encoder:
             return {"$dict": [[self.encode(k, f"{where}.<key>", None), self.encode(x, f"{where}.{k}", n)]
                               for (k, x), n in zip(v.items(), names)]}
         if isinstance(v, torch.Tensor):
-            if self.extract is not None and name is not None and not hasattr(v, "_local_tensor"):
+            if self.extract is not None and name is not None and not is_dtensor(v):
                 self.check_strided(v, where)
                 self.extract(name, v)
                 self.refs += 1
@@ -212,7 +213,7 @@ class _Encoder:
 
     def tensor(self, t: torch.Tensor, where: str) -> dict:
         self.check_strided(t, where)
-        if hasattr(t, "_local_tensor"):
+        if is_dtensor(t):
             raise UnsupportedValueError(
                 f"a DTensor at {where!r} inside a per-rank value; put it in the model or optimizer state",
                 key=self.key,

@@ -15,6 +15,7 @@ from bcp.errors import UnsupportedValueError
 from bcp.layout.box import Box, flat_range_to_boxes
 from bcp.layout.piece import Piece
 from bcp.layout.shards import PLAIN_TENSORS, FlatShard, TensorShard, is_dtensor
+from bcp.torch_internals.tensors import local_shape_and_global_offset
 
 
 def tensor_meta(name: str, value: Any) -> tuple[torch.dtype, tuple[int, ...]]:
@@ -84,7 +85,6 @@ def _checked(name: str, tensor: torch.Tensor, global_shape: tuple[int, ...], box
 
 def _dtensor_pieces(name: str, value: Any) -> list[Piece]:
     from torch.distributed.tensor import Partial
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if any(isinstance(p, Partial) for p in value.placements):
         raise UnsupportedValueError(
@@ -93,7 +93,7 @@ def _dtensor_pieces(name: str, value: Any) -> list[Piece]:
     local = value.to_local().detach()
     if value.device_mesh.get_coordinate() is None:  # this rank is outside the DTensor's mesh
         return []
-    shape, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    shape, offsets = local_shape_and_global_offset(value)
     if tuple(shape) != tuple(local.shape):
         raise UnsupportedValueError(
             f"DTensor local shape {tuple(local.shape)} does not match its placements {value.placements} "

@@ -41,6 +41,7 @@ from bcp.layout.references import earlier_file
 from bcp.layout.shards import is_dtensor
 from bcp.layout.write_plan import PieceWrite
 from bcp.layout.write_report import PieceRecord, RankWrites, WrittenPieces
+from bcp.torch_internals.tensors import version_counter
 
 #: A box of a tensor: name, dtype name, global shape, box offsets, box lengths.
 Key = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
@@ -69,7 +70,7 @@ class Seen:
     @staticmethod
     def of(tensor: torch.Tensor) -> "Seen":
         address = tensor.data_ptr()  # the storage's own address follows, without making its Python object
-        return Seen(address - tensor.storage_offset() * tensor.element_size(), address, tensor._version,
+        return Seen(address - tensor.storage_offset() * tensor.element_size(), address, version_counter(tensor),
                     (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.device))
 
     def same_memory(self, other: "Seen") -> bool:

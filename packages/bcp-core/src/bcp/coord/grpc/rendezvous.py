@@ -18,6 +18,7 @@ import torch.distributed as dist
 from bcp.coord.grpc.security import new_secret
 from bcp.coord.waiting import store_keys_set, store_wait, wait_for
 from bcp.errors import DistributedError
+from bcp.torch_internals.distributed import default_store
 
 log = logging.getLogger("bcp.coord")
 
@@ -51,7 +52,7 @@ class Meeting:
 def meet(store: Any, rank: int | None, world_size: int | None, host: str | None, timeout: float) -> Meeting:
     """The store to meet through, this rank, the world size and the interface to listen on."""
     if store is None and dist.is_available() and dist.is_initialized():
-        store = dist.distributed_c10d._get_default_store()  # the store the process group met through
+        store = default_store()  # the store the process group met through
     if rank is None or world_size is None:
         rank, world_size = _place(rank, world_size)
     if store is None:

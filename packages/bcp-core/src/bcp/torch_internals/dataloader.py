@@ -1,4 +1,4 @@
-"""The one place bcp reads torch's and torchdata's dataloaders beyond their public API.
+"""Where bcp reads torch's and torchdata's dataloaders beyond their public API.
 
 What the trainer consumed from a loader with read workers is known only to the loader's iterator (it
 counts the batches it yielded; the sampler has handed out more, for the workers to read ahead), and
@@ -10,10 +10,11 @@ inside its ``state_dict()``, whose keys are its own format. Every such name bcp 
 - ``DataLoader._get_iterator``, through which bcp follows the iterators a plain ``DataLoader`` with
   read workers makes (it hands them to the trainer only);
 - the iterator among the callers of a sampler's iteration (bcp's sampler saved without its loader);
-- torchdata's state keys for the batches yielded and whether the epoch ended.
+- torchdata's state keys for the batches yielded, whether the epoch ended and the read workers'
+  dataset states.
 
-``TESTED`` names the versions these names were checked in; ``tests/dataloader/test_dataloader_torch_internals.py``
-fails when one moves.
+``TESTED`` (in the package) names the versions these names were checked in;
+``tests/dataloader/test_dataloader_torch_internals.py`` fails when one moves.
 """
 
 from __future__ import annotations
@@ -21,39 +22,42 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from torch.utils.data import DataLoader
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.data import DataLoader, dataloader
 
-#: torch and torchdata versions (major, minor) whose private names below are as read here.
-TESTED = {"torch": ((2, 4), (2, 14)), "torchdata": ((0, 8), (0, 12))}
+from bcp.torch_internals import private_name
+
+_BaseDataLoaderIter = private_name(dataloader, "_BaseDataLoaderIter")
 
 
 def batches_yielded(iterator: _BaseDataLoaderIter) -> int:
     """The batches a loader iterator has yielded to its consumer."""
-    return int(iterator._num_yielded)
+    return int(private_name(iterator, "_num_yielded"))
 
 
 def batch_sampler_of(iterator: _BaseDataLoaderIter) -> Any:
     """The batch sampler an iterator draws indices from (None without automatic batching)."""
-    return iterator._index_sampler
+    return private_name(iterator, "_index_sampler")
 
 
 def reads_ahead(iterator: _BaseDataLoaderIter) -> bool:
     """Whether the iterator's read workers ask for indices ahead of its consumer."""
-    return iterator._num_workers > 0
+    return private_name(iterator, "_num_workers") > 0
 
 
 def in_order(iterator: _BaseDataLoaderIter) -> bool:
+    """Whether the iterator delivers batches in the order of their indices (torch before 2.6 has no
+    ``_in_order``: always)."""
     return bool(getattr(iterator, "_in_order", True))
 
 
 def current_iterator(loader: DataLoader) -> _BaseDataLoaderIter | None:
     """The iterator a loader keeps (persistent workers, torchdata's StatefulDataLoader), or None."""
-    return loader._iterator
+    return private_name(loader, "_iterator")
 
 
 def drop_iterator(loader: DataLoader) -> None:
     """Make a loader with persistent workers build a fresh iterator at its next iteration."""
+    current_iterator(loader)  # fails naming the name where torch moved it
     loader._iterator = None
 
 
@@ -71,7 +75,7 @@ def pending_state(loader: DataLoader) -> dict[str, Any] | None:
 def on_new_iterator(loader: DataLoader, keep: Any) -> None:
     """Call ``keep(iterator)`` with every iterator ``loader`` makes from now on (torch's DataLoader
     makes each one through ``_get_iterator``)."""
-    make = loader._get_iterator
+    make = private_name(loader, "_get_iterator")
 
     def get_iterator() -> Any:
         iterator = make()
@@ -94,12 +98,22 @@ def calling_iterator(depth: int = 8) -> _BaseDataLoaderIter | None:
 
 
 def state_batches_yielded(state: dict[str, Any]) -> int:
-    """The batches a StatefulDataLoader had yielded to the trainer in its epoch, from its state."""
+    """The batches a StatefulDataLoader had yielded to the trainer in its epoch, from its state (a
+    ``KeyError`` for another loader's state)."""
     if "_snapshot" in state:
         return int(state["_snapshot"]["_snapshot_step"]) + int(state["_steps_since_snapshot"])
     return int(state["_num_yielded"])
 
 
 def state_finished(state: dict[str, Any]) -> bool:
-    """Whether a StatefulDataLoader's state is at the end of its epoch."""
+    """Whether a StatefulDataLoader's state is at the end of its epoch (a ``KeyError`` for another
+    loader's state)."""
     return bool(state["_iterator_finished"])
+
+
+def state_dataset_states(state: dict[str, Any]) -> list[Any]:
+    """The dataset states a StatefulDataLoader's state holds: one per read worker (or the loader's own)."""
+    if "_snapshot" in state:
+        workers = state["_snapshot"].get("_worker_snapshots") or {}
+        return [workers[name].get("dataset_state") for name in sorted(workers)]
+    return [state.get("dataset_state")]
