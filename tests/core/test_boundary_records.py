@@ -1,0 +1,57 @@
+"""The records that cross a boundary travel by field name: each comes back equal from its plain
+data and from the bytes that carry it (msgpack between processes, JSON on storage), a field an
+older sender did not know takes its default, and what older bcp versions wrote stays readable."""
+
+from __future__ import annotations
+
+import socket
+
+import msgpack
+import pytest
+
+from bcp.engine.process_wire import receive, send
+from bcp.engine.writer_jobs import (Abandon, Done, Failed, Failure, FileJob, Padding, SharedBuffer, StagedPiece,
+                                    Stop, ValueBytes, WriteJob, read_reply, read_request)
+
+
+def _through_msgpack(record):
+    return msgpack.unpackb(msgpack.packb(record.to_wire(), use_bin_type=True), raw=False)
+
+
+def test_a_write_job_with_every_kind_of_item_comes_back_equal_through_a_socket():
+    job = WriteJob(b"\x80storage", 1 << 20, True,
+                   [FileJob("gen-00000001/data/00000-00.bin",
+                            [Padding(17), StagedPiece(3, 4096, 64, [1, 2]), ValueBytes(b"\x00value", None)]),
+                    FileJob("gen-00000001/data/00000-01.bin", [StagedPiece(3, 0, 8)])],
+                   live=[3, 5], new=[SharedBuffer(5, 1 << 16)])
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        send(ours, job)
+        received, fds = receive(theirs, read_request)
+    assert received == job and fds == []
+    assert isinstance(received.files[0].items[0], Padding) and received.files[0].items[2].data == b"\x00value"
+
+
+@pytest.mark.parametrize("request_", [Abandon(), Stop()])
+def test_the_stop_requests_come_back_as_themselves(request_):
+    assert read_request(_through_msgpack(request_)) == request_
+
+
+@pytest.mark.parametrize("reply", [Done([[[1, 2], []], [[3]]]),
+                                   Failed(Failure.ABANDONED, "the save was abandoned"),
+                                   Failed(Failure.STORAGE, "[Errno 28] No space left on device"),
+                                   Failed(Failure.ERROR, "Traceback (most recent call last): ...")])
+def test_a_reply_of_each_kind_comes_back_equal(reply):
+    assert read_reply(_through_msgpack(reply)) == reply
+
+
+def test_a_field_an_older_sender_did_not_know_takes_its_default_and_an_unknown_one_is_ignored():
+    wire = _through_msgpack(StagedPiece(1, 2, 3, [4]))
+    del wire["crcs"]
+    wire["codec"] = "a field of a newer sender"
+    assert read_request({**_through_msgpack(Stop()), "later": 1}) == Stop()
+    assert StagedPiece.from_wire(wire) == StagedPiece(1, 2, 3, None)
+    with pytest.raises(ValueError, match="nbytes"):
+        StagedPiece.from_wire({"buffer": 1, "offset": 2})
+    with pytest.raises(ValueError, match="unknown kind"):
+        read_reply({"kind": "maybe"})
