@@ -55,3 +55,33 @@ def test_a_field_an_older_sender_did_not_know_takes_its_default_and_an_unknown_o
         StagedPiece.from_wire({"buffer": 1, "offset": 2})
     with pytest.raises(ValueError, match="unknown kind"):
         read_reply({"kind": "maybe"})
+
+
+def test_an_older_claim_and_a_memory_tier_claim_read_and_write_with_the_same_keys():
+    from bcp.layout.markers import Claim
+
+    older = b'{"host": "node-3", "pid": 4242, "unix": 1700000000.5, "token": "0123456789abcdef", "base": 7}'
+    claim = Claim.from_json(older)
+    assert (claim.host, claim.pid, claim.unix, claim.token, claim.base, claim.discarded) == \
+        ("node-3", 4242, 1700000000.5, "0123456789abcdef", 7, False)
+    assert claim.to_json() == older  # rewritten, an older claim keeps its keys and their order
+    tier = Claim("feedface00000000", None, pid=11).to_json()
+    assert tier == b'{"pid": 11, "token": "feedface00000000"}'
+    discarded = Claim.from_json(b'{"base": 2, "later": [1]}').marked_discarded()
+    assert discarded.to_json() == b'{"base": 2, "discarded": true, "later": [1]}'
+    assert Claim.from_json(discarded.to_json()).discarded
+    assert Claim.from_json(b"[]") is None and Claim.from_json(b"not json") is None
+    assert Claim.from_json(b'{"base": true, "token": 5}') == Claim()  # wrong types read as absent
+
+
+def test_a_commit_marker_an_older_bcp_wrote_is_read_and_a_wrong_one_named(tmp_path):
+    from bcp.errors import CorruptCheckpointError, FormatVersionError
+    from bcp.layout.markers import CommitMarker
+
+    older = b'{"format": "bcp", "version": 1, "generation": 3, "manifest_bytes": 812, "manifest_crc32c": 3735928559}'
+    marker = CommitMarker.parse(older, 3, "ckpt/gen-00000003")
+    assert marker == CommitMarker(3, 812, 3735928559) and marker.to_json() == older
+    with pytest.raises(CorruptCheckpointError, match="names generation 3, not 4"):
+        CommitMarker.parse(older, 4, "ckpt/gen-00000004")
+    with pytest.raises(FormatVersionError, match="version 2"):
+        CommitMarker.parse(older.replace(b'"version": 1', b'"version": 2'), 3, "ckpt/gen-00000003")

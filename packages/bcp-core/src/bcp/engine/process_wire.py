@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 
 import msgpack
 
-from bcp.engine.wire_records import WireRecord
+from bcp.wire_records import WireRecord
 
 _HEADER = struct.Struct("<QI")  # payload bytes, descriptors passed with the header
 MAX_FDS = 64

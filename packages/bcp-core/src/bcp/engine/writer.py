@@ -114,10 +114,7 @@ class GenerationWriter:
         for file_index, (file_items, file_crcs) in enumerate(zip(placed, crcs)):
             for (item, offset), item_crcs in zip(file_items, file_crcs):
                 if item.piece is not None:
-                    part = item.piece.part
-                    piece_rows.append(PieceRecord(item.piece.index, part.offsets if part else None,
-                                                  part.lengths if part else None, file_index, offset, item.nbytes,
-                                                  item_crcs))
+                    piece_rows.append(PieceRecord.of(item.piece, file_index, offset, item.nbytes, item_crcs))
                 else:
                     value = item.value
                     value_rows.append(ValueRecord(value.name, file_index, offset, item.nbytes, value.tree_nbytes,

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Union
 
-from bcp.engine.wire_records import WireRecord, kinds, list_of
+from bcp.wire_records import WireRecord, kinds, list_of
 
 
 @dataclass(frozen=True, slots=True)

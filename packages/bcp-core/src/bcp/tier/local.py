@@ -8,7 +8,6 @@ folder, so a replaced node's empty folder never makes an older generation look n
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 from dataclasses import dataclass
@@ -18,6 +17,8 @@ from bcp.coord import Coordinator
 from bcp.coord.consensus import Outcome, all_agree
 from bcp.engine.location import CLAIM, DATA_DIR, MANIFEST, Location, generation_dir
 from bcp.errors import CheckpointError, StorageError
+from bcp.layout.manifest_files import listed_files
+from bcp.layout.markers import Claim
 from bcp.layout.references import split_reference
 from bcp.storage import LocalStorage
 
@@ -80,8 +81,8 @@ def agree_on_generation(coord: Coordinator, location: Location, node_lead: bool,
         if not node_lead:
             return
         try:
-            fresh = location.storage.put_if_absent(location.name(generation, CLAIM), json.dumps(
-                {"pid": os.getpid(), "token": token, **({} if base is None else {"base": base})}).encode())
+            fresh = location.storage.put_if_absent(location.name(generation, CLAIM),
+                                                   Claim(token, base, pid=os.getpid()).to_json())
         except OSError as exc:
             raise StorageError(f"cannot claim generation {generation} in the node's folder {location.storage.root}: "
                                f"{exc.strerror or exc}", path=location.display) from exc
@@ -133,10 +134,9 @@ def _manifest_files(location: Location, generation: int) -> list[str] | None:
     """The data files the committed manifest names (checked again, fully, when it is opened); None
     when the manifest cannot be read (that node's copy of the generation is not used)."""
     try:
-        files = json.loads(location.storage.read_bytes(location.name(generation, MANIFEST)))["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return listed_files(location.storage.read_bytes(location.name(generation, MANIFEST)))
+    except OSError:
         return None
-    return [name for name in files if isinstance(name, str)] if isinstance(files, list) else None
 
 
 def retire_older(location: Location, generation: int, earlier: set[int]) -> None:

@@ -4,7 +4,8 @@ list that holds several kinds, ``kind``. A field added later is read from an old
 default, and a field an older reader does not know is ignored, so adding one never shifts the
 others. The plain data travels as msgpack (``coord.consensus``, ``process_wire``), never pickle.
 
-Light imports only: the writer process starts with this module alone."""
+Every layer uses it (as it does ``bcp.errors``), and it imports nothing but the standard library:
+the writer process starts with it."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def list_of(decode: Callable[[Any], Any]) -> Callable[[list[Any]], list[Any]]:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, WireRecord):
+    if hasattr(value, "to_wire"):  # a record, or a value with a wire form of its own (``RankWrites``)
         return value.to_wire()
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
