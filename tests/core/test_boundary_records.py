@@ -85,3 +85,25 @@ def test_a_commit_marker_an_older_bcp_wrote_is_read_and_a_wrong_one_named(tmp_pa
         CommitMarker.parse(older, 4, "ckpt/gen-00000004")
     with pytest.raises(FormatVersionError, match="version 2"):
         CommitMarker.parse(older.replace(b'"version": 1', b'"version": 2'), 3, "ckpt/gen-00000003")
+
+
+def test_a_proposal_and_a_rank_report_come_back_equal_by_field_name():
+    from bcp.api.plan_agreement import Proposal
+    from bcp.api.writing import RankReport
+    from bcp.layout.write_report import PieceRecord, RankWrites, ValueRecord, WrittenPieces
+
+    proposal = Proposal(True, 5, 3, 2**63 + 1, [0, 1], [["extra", 7]], [["ema/w", 9]], 2, True, [1, 2])
+    assert Proposal.from_wire(_through_msgpack(proposal)) == proposal
+    older = {key: value for key, value in proposal.to_wire().items() if key not in ("base", "continuous", "remembered")}
+    assert Proposal.from_wire(older) == Proposal(True, 5, 3, 2**63 + 1, [0, 1], [["extra", 7]], [["ema/w", 9]])
+
+    rows = [PieceRecord(0, None, None, 0, 0, 8, [11]), PieceRecord(1, (2,), (3,), 1, 64, 12, [12, 13])]
+    writes = RankWrites(["data/00000-00.bin", "data/00000-01.bin"], WrittenPieces.of(rows),
+                        [ValueRecord("rng", 0, 8, 5, 5, [14], [0, 1])], False, True,
+                        WrittenPieces.of([PieceRecord(2, None, None, 0, 0, 4, [15])]), ["gen-00000001/data/00000-00.bin"])
+    back = RankReport.from_wire(_through_msgpack(RankReport(writes, ["rank record"]))).writes
+    assert back.files == writes.files and back.values == writes.values and back.earlier_files == writes.earlier_files
+    for column in ("index", "where", "crc_counts", "crcs"):
+        assert (getattr(back.pieces, column) == getattr(writes.pieces, column)).all()
+        assert (getattr(back.reused, column) == getattr(writes.reused, column)).all()
+    assert back.pieces.parts == writes.pieces.parts and (back.used_pickle, back.used_refs) == (False, True)

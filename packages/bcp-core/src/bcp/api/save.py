@@ -138,7 +138,8 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
     writer = GenerationWriter(location, agreed.generation, threads=options.io_threads, background=True,
                               abandon=rt.background.abandon, in_process=_in_process(rt, location, staged.buffer, options))
     monitor.returned()  # the caller gets control back: the blocking time ends here
-    background = _BackgroundSave(staged, writer, writes, rt, stats, monitor, commit, stats.now())
+    background = _BackgroundSave(staged, writer, writes.manifest_of, writes.on_report, rt, stats, monitor, commit,
+                                 stats.now())
     job = rt.background.submit(background.write, background.commit,
                                label=f"{location.display} (generation {agreed.generation})")
     return SaveHandle(location.display, agreed.generation, stats, job, monitor)
@@ -221,11 +222,12 @@ class _Staged:
 @dataclass(frozen=True, slots=True)
 class _BackgroundSave:
     """An asynchronous save handed to the background lane: :meth:`write` and :meth:`commit` run on
-    its threads, from ``handed_over`` on."""
+    its threads, from ``handed_over`` on. It holds the staged copies only, not the state's tensors."""
 
     staged: _Staged
     writer: GenerationWriter
-    writes: _RankWrites
+    manifest_of: Callable[[list[RankWrites]], Manifest]
+    on_report: Callable[[RankWrites], None] | None
     rt: Runtime
     stats: PhaseStats
     monitor: Monitor
@@ -238,13 +240,13 @@ class _BackgroundSave:
         staged = self.staged
         try:
             return write_share(staged.coord.rank, self.writer, staged.pieces, staged.values, self.stats,
-                               monitor=self.monitor, on_report=self.writes.on_report)
+                               monitor=self.monitor, on_report=self.on_report)
         finally:  # durable: the next save may stage into it, whatever the barrier does
             self.rt.buffers.release(staged.buffer, copied_from=staged.copied_from)
 
     def commit(self, report: Outcome) -> None:
         self.stats.add("queue", self.stats.spans[-1][2], self.stats.now())  # from the end of this save's write
-        self.commit_barrier(self.staged.coord, self.writer, report, self.writes.manifest_of, self.stats, self.monitor)
+        self.commit_barrier(self.staged.coord, self.writer, report, self.manifest_of, self.stats, self.monitor)
 
 
 def _in_process(rt: Runtime, location: Location, buffer: Any, options: SaveOptions) -> InProcess | None:

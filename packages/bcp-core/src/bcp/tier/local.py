@@ -21,6 +21,7 @@ from bcp.layout.manifest_files import listed_files
 from bcp.layout.markers import Claim
 from bcp.layout.references import split_reference
 from bcp.storage import LocalStorage
+from bcp.wire_records import WireRecord
 
 #: Committed generations a node's folder keeps after a commit (generations being written stay too).
 KEEP_GENERATIONS = 1
@@ -95,7 +96,7 @@ def agree_on_generation(coord: Coordinator, location: Location, node_lead: bool,
 
 
 @dataclass(frozen=True, slots=True)
-class Held:
+class Held(WireRecord):
     """One generation in a rank's node folder: committed or not, its data files present (name ->
     size: its own, and when committed those of earlier generations its manifest names) and, when
     committed, the data files its manifest names."""
@@ -104,13 +105,6 @@ class Held:
     committed: bool
     present: dict[str, int]
     needed: list[str]
-
-    def to_wire(self) -> list[Any]:
-        return [self.generation, self.committed, self.present, self.needed]
-
-    @staticmethod
-    def from_wire(wire: list[Any]) -> "Held":
-        return Held(wire[0], wire[1], dict(wire[2]), list(wire[3]))
 
 
 def census(location: Location) -> list[Held]:
