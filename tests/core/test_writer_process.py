@@ -16,6 +16,7 @@ import torch
 
 import bcp
 from bcp.engine.shared_memory import shared_memory_available
+from bcp.engine.writer_jobs import Abandon, WriteJob
 from bcp.engine.writer_process import WriterProcess
 from bcp.storage.local import LocalStorage
 from bcp.integration import runtime
@@ -98,21 +99,21 @@ def test_an_abandoned_save_stops_the_writer_process_and_is_removed(tmp_path, mon
     # The real messages, each noted once sent: the stopped writer process is let go on only once
     # its job and then the abandon request wait in its socket (fixed sleeps lost the race on a
     # loaded machine, and a request sent before the job finds no job to stop).
-    sent = {"write": threading.Event(), "abandon": threading.Event()}
+    sent = {WriteJob: threading.Event(), Abandon: threading.Event()}
     send = WriterProcess._send
 
-    def send_and_note(process: WriterProcess, message: tuple, fds=()) -> None:
+    def send_and_note(process: WriterProcess, message, fds=()) -> None:
         send(process, message, fds)
-        if message[0] in sent:
-            sent[message[0]].set()
+        if type(message) in sent:
+            sent[type(message)].set()
 
     pid = _committed_then_writer_stopped(tmp_path)
     monkeypatch.setattr(WriterProcess, "_send", send_and_note)
     handle = bcp.save(tmp_path, {"model": _state(2.0, tensors=32)}, async_save=True, io_threads=2)
-    assert sent["write"].wait(30)
+    assert sent[WriteJob].wait(30)
     stopper = threading.Thread(target=bcp.shutdown, kwargs={"abandon": True})
     stopper.start()
-    assert sent["abandon"].wait(30)
+    assert sent[Abandon].wait(30)
     os.kill(pid, signal.SIGCONT)
     stopper.join(30)
     with pytest.raises(bcp.SaveAbandonedError):
@@ -130,12 +131,12 @@ def test_a_save_abandoned_just_before_its_job_reaches_the_writer_process_is_not_
     abandon_sent = threading.Event()
     send = WriterProcess._send
 
-    def abandon_first(process: WriterProcess, message: tuple, fds=()) -> None:
-        if message[0] == "write" and not abandon_sent.is_set():
+    def abandon_first(process: WriterProcess, message, fds=()) -> None:
+        if isinstance(message, WriteJob) and not abandon_sent.is_set():
             threading.Thread(target=bcp.shutdown, kwargs={"abandon": True}).start()
             assert abandon_sent.wait(30)
         send(process, message, fds)
-        if message[0] == "abandon":
+        if isinstance(message, Abandon):
             abandon_sent.set()
 
     monkeypatch.setattr(WriterProcess, "_send", abandon_first)

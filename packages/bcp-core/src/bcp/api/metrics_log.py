@@ -26,6 +26,7 @@ from typing import Any, Iterator, Mapping
 
 from bcp.api.location import resolve
 from bcp.engine.location import CLAIM, METRICS_DIR, Location
+from bcp.layout.markers import Claim
 from bcp.errors import CheckpointError
 from bcp.storage import Storage
 
@@ -66,10 +67,8 @@ def prune_records(location: Location, oldest: int) -> None:
     """After a commit's retention, which kept generations from ``oldest`` on: remove the records of
     operations on older generations (a record without a generation: when it started before
     ``oldest`` was claimed)."""
-    try:
-        claimed = json.loads(location.storage.read_bytes(location.name(oldest, CLAIM))).get("unix")
-    except (ValueError, AttributeError):  # a claim that is not bcp's JSON object
-        claimed = None
+    claim = Claim.from_json(location.storage.read_bytes(location.name(oldest, CLAIM)))
+    claimed = claim.unix if claim is not None else None
     folder = f"{location.prefix}{METRICS_DIR}"
     for name in location.storage.list_dir(folder):
         fields = name[:-len(_SUFFIX)].split("-")

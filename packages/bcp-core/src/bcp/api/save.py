@@ -8,7 +8,6 @@ pieces are copied to host buffers), then the writer door (write, commit)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -18,18 +17,19 @@ import torch
 from torch import nn
 
 from bcp.adapters.dataloader import COMPONENT as DATALOADER
-from bcp.adapters.dataloader import DataloaderState, check_writers
+from bcp.adapters.dataloader import DataloaderState
 from bcp.api.components import check_keys, collect
 from bcp.api.gc_pause import paused_gc
 from bcp.api.location import resolve
 from bcp.api.metrics import Monitor
 from bcp.api.options import SaveOptions
+from bcp.api.plan_agreement import AgreedPlan, Base, Collected, PlannedPiece, agree_on_plan
 from bcp.api.results import PhaseStats, SaveHandle
 from bcp.api.runtime import Runtime, runtime
 from bcp.api.targets import CheckpointTarget
 from bcp.api.writing import commit_generation, write_share
 from bcp.coord import Coordinator, as_coordinator
-from bcp.coord.consensus import Outcome, all_agree, broadcast_from_root, gather_then_reply
+from bcp.coord.consensus import Outcome, broadcast_from_root
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import crc_of
 from bcp.engine.chunked_copies import ChunkedCopies
@@ -38,21 +38,19 @@ from bcp.engine.staging import stage, staged_nbytes
 from bcp.engine.writer import GenerationWriter, InProcess
 from bcp.engine.writer_process import storage_for_process
 from bcp.errors import CheckpointError
-from bcp.layout.local_plan import LocalPlan
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.piece import Piece
 from bcp.layout.shards import is_tensor_value
 from bcp.layout.references import generation_dir
-from bcp.layout.write_plan import RankAssignment, ValueWrite
+from bcp.layout.write_plan import PieceWrite, ValueWrite
 from bcp.layout.write_report import RankWrites
-from bcp.planning import plain_tensors
 from bcp.planning.assembly import assemble_manifest
 from bcp.planning.pieces import pieces_of, tensor_meta
 from bcp.planning.plain_tensors import PlainTensor
 from bcp.planning.plan_cache import CachedPlan
 from bcp.planning.reuse import FrozenParameters, Remembered, Reuse, decide, stored_boxes
-from bcp.planning.save_plan import PlanColumns, global_plan, structure_key, writes_of
-from bcp.planning.shared_values import digests, encoded_value, values_to_write
+from bcp.planning.save_plan import structure_key, writes_of
+from bcp.planning.shared_values import encoded_value, values_to_write
 from bcp.storage import Storage
 from bcp.version import __version__
 
@@ -110,119 +108,145 @@ def wait_pending_saves() -> None:
     runtime().background.wait_pending()
 
 
-@dataclass(slots=True)
-class _Collected:
-    """A rank's state as the planner sees it: tensor declarations, pieces and value records, the
-    plain tensors (tensor entries or per-rank tensors, decided with every rank's digests) and the
-    structure key the plan cache compares."""
-
-    tensors: list[tuple[str, Any, tuple[int, ...]]]
-    pieces: list[Piece]
-    values: list[ValueWrite]
-    plain: list[PlainTensor]
-    replica_crcs: list[int] | None
-    structure: tuple
-    framework: str
-    #: The rank's word on its dataloader parts (``DataloaderState.declaration``), None without one.
-    dataloader: list[int] | None
-    #: An incremental save's frozen parameters (``planning.reuse``), None where they are not trusted.
-    frozen: FrozenParameters | None = None
-
-    def with_entries(self, entries: set[str]) -> "_Share":
-        """Everything this rank plans once the plain tensors in ``entries`` are tensor entries."""
-        chosen = [t for t in self.plain if t.name in entries]
-        pieces = [p for t in chosen for p in pieces_of(t.name, t.tensor)]
-        crcs = [None] * len(self.pieces) + [t.crcs for t in chosen if t.tensor.numel()]
-        replica_crcs = None if self.replica_crcs is None else \
-            self.replica_crcs + [t.digest & 0xFFFFFFFF for t in chosen if t.tensor.numel()]
-        per_rank = [plain_tensors.per_rank_value(t) for t in self.plain if t.name not in entries]
-        return _Share(self.tensors + [(t.name, t.tensor.dtype, tuple(t.tensor.shape)) for t in chosen],
-                      self.pieces + pieces, crcs, replica_crcs, self.values + per_rank)
-
-
-@dataclass(slots=True)
-class _Share:
-    """What a rank plans and writes: declarations and pieces (each with its chunk checksums where
-    known), and value records."""
-
-    tensors: list[tuple[str, Any, tuple[int, ...]]]
-    pieces: list[Piece]
-    crcs: list[list[int] | None]
-    replica_crcs: list[int] | None
-    values: list[ValueWrite]
-
-    def local_plan(self) -> list[Any]:
-        return LocalPlan.of(self.tensors, self.pieces, self.replica_crcs).to_wire()
-
-
 def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], options: SaveOptions,
           coord: Coordinator, rt: Runtime, stats: PhaseStats, monitor: Monitor, commit: Commit) -> SaveHandle:
+    """The steps: collect, plan (agree on it, then resolve this rank's writes), then write now
+    (synchronous) or stage and hand the writes to the background lane (asynchronous)."""
     monitor.begin(path)
     monitor.location = location = locate()
     epoch = rt.reuse.epoch  # before the tensors are seen: a load from now on makes this save's view stale
+    place = (location.target, coord.cache_key())  # the path and group, as the reuse memory knows them
     with stats.phase("collect"):
         collected = Outcome.of(lambda: _collect(state, options, location.display))
     with stats.phase("plan"):
         with stats.phase("plan.exchange"):
-            generation, plan, share, value_digests, base = _agree_on_plan(
-                coord, location, collected, rt, not options.verify_replicas, options.incremental)
-        monitor.generation = generation
+            agreed = agree_on_plan(coord, location, place, collected, rt, not options.verify_replicas,
+                                   options.incremental)
+        monitor.generation = agreed.generation
         with stats.phase("plan.writes"):  # identical values are written once: hashing them takes time
-            pieces = writes_of(share.pieces, plan.writes, share.crcs)
-            place = (location.target, coord.cache_key())
-            boxes = _base_boxes(coord, location, rt, place, base, {p.name for p in share.pieces})
-            reuse = decide(pieces, share.pieces, boxes, collected.value.frozen, generation, DEFAULT_CHECKSUM_CHUNK) \
-                if options.incremental else None
-            manifest_of = _manifest_builder(generation, collected.value.framework, plan, options.step)
-            values = values_to_write(coord.rank, share.values, value_digests)
-    on_report = None
-    if reuse is not None:
-        pieces = reuse.written
-        stats.reused_bytes = reuse.reused_nbytes
-
-        def on_report(report: RankWrites) -> None:
-            reuse.complete(report)
-            rt.reuse.remember(place, generation, reuse.remembered(report, generation_dir(generation)), epoch)
-    tensors = [piece.tensor() for piece in pieces]
+            writes = _rank_writes(coord, location, place, rt, agreed, collected.value, options, epoch)
+    stats.reused_bytes = writes.reused_nbytes
+    tensors = [piece.tensor() for piece in writes.pieces]
     copies = ChunkedCopies(rt.chunks, tensors)  # here: device copies follow the work queued so far
     if not options.async_save:
-        writer = GenerationWriter(location, generation, threads=options.io_threads, copies=copies)
-        commit(coord, writer, write_share(coord.rank, writer, pieces, values, stats, monitor=monitor,
-                                          on_report=on_report), manifest_of, stats, monitor)
-        return SaveHandle(location.display, generation, stats, monitor=monitor)
-
+        writer = GenerationWriter(location, agreed.generation, threads=options.io_threads, copies=copies)
+        commit(coord, writer, write_share(coord.rank, writer, writes.pieces, writes.values, stats, monitor=monitor,
+                                          on_report=writes.on_report), writes.manifest_of, stats, monitor)
+        return SaveHandle(location.display, agreed.generation, stats, monitor=monitor)
     with stats.phase("stage"):  # everything the training thread does before it gets control back
+        staged = _Staged.of(coord, writes, tensors, copies, rt)
+    writer = GenerationWriter(location, agreed.generation, threads=options.io_threads, background=True,
+                              abandon=rt.background.abandon, in_process=_in_process(rt, location, staged.buffer, options))
+    monitor.returned()  # the caller gets control back: the blocking time ends here
+    background = _BackgroundSave(staged, writer, writes.manifest_of, writes.on_report, rt, stats, monitor, commit,
+                                 stats.now())
+    job = rt.background.submit(background.write, background.commit,
+                               label=f"{location.display} (generation {agreed.generation})")
+    return SaveHandle(location.display, agreed.generation, stats, job, monitor)
+
+
+@dataclass(frozen=True, slots=True)
+class _RankWrites:
+    """This rank's writes as planned: the pieces (those an incremental save reuses left out) and
+    value records, how every rank's reports become the manifest, what completes this rank's report
+    (an incremental save's reused pieces, None otherwise) and the bytes reused."""
+
+    pieces: list[PieceWrite]
+    values: list[ValueWrite]
+    manifest_of: Callable[[list[RankWrites]], Manifest]
+    on_report: Callable[[RankWrites], None] | None
+    reused_nbytes: int
+
+
+def _rank_writes(coord: Coordinator, location: Location, place: Any, rt: Runtime, agreed: AgreedPlan,
+                 collected: Collected, options: SaveOptions, epoch: int) -> _RankWrites:
+    """This rank's part of the agreed plan, resolved to what it writes (and, for an incremental
+    save, collective: what the base stores)."""
+    share, generation = agreed.share, agreed.generation
+    pieces = writes_of([p.piece for p in share.pieces], agreed.plan.writes, [p.crcs for p in share.pieces])
+    values = values_to_write(coord.rank, share.values, agreed.value_digests)
+    manifest_of = _manifest_builder(generation, collected.framework, agreed.plan, options.step)
+    if not options.incremental:
+        return _RankWrites(pieces, values, manifest_of, None, 0)
+    boxes = _base_boxes(coord, location, rt, place, agreed.base, {p.piece.name for p in share.pieces})
+    reuse = decide(pieces, [p.piece for p in share.pieces], boxes, collected.frozen, generation,
+                   DEFAULT_CHECKSUM_CHUNK)
+    return _RankWrites(reuse.written, values, manifest_of, _Remembering(reuse, rt, place, generation, epoch),
+                       reuse.reused_nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Remembering:
+    """An incremental save's report hook: the reused pieces join the report, and this process
+    remembers what the save stored (the next save's base)."""
+
+    reuse: Reuse
+    rt: Runtime
+    place: Any
+    generation: int
+    epoch: int
+
+    def __call__(self, report: RankWrites) -> None:
+        self.reuse.complete(report)
+        self.rt.reuse.remember(self.place, self.generation,
+                               self.reuse.remembered(report, generation_dir(self.generation)), self.epoch)
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """An asynchronous save's writes in host memory: the pieces staged in ``buffer`` (page-locked
+    for ``copied_from``, the device it took copies from, if any), the values snapshot (the state
+    may change once save returns), and the sibling coordinator its commit runs with."""
+
+    coord: Coordinator
+    pieces: list[PieceWrite]
+    values: list[ValueWrite]
+    buffer: Any
+    copied_from: torch.device | None
+
+    @staticmethod
+    def of(coord: Coordinator, writes: _RankWrites, tensors: list[torch.Tensor], copies: ChunkedCopies,
+           rt: Runtime) -> "_Staged":
         background_coord = coord.sibling()  # collective: before the background thread needs it
-        values = [value.snapshot() for value in values]  # the state may change once save returns
-        buffer = rt.buffers.acquire(staged_nbytes(pieces))
+        values = [value.snapshot() for value in writes.values]
+        buffer = rt.buffers.acquire(staged_nbytes(writes.pieces))
         try:
-            pieces = stage(pieces, buffer, copies)
+            pieces = stage(writes.pieces, buffer, copies)
         except BaseException:
             rt.buffers.release(buffer)
             raise
-    # A buffer that takes copies from the accelerator is worth page-locking, for that device.
-    copied_from = next((tensor.device for tensor in tensors if copies.holds(tensor)), None)
-    writer = GenerationWriter(location, generation, threads=options.io_threads, background=True,
-                              abandon=rt.background.abandon, in_process=_in_process(rt, location, buffer, options))
-    monitor.returned()  # the caller gets control back: the blocking time ends here
+        return _Staged(background_coord, pieces, values, buffer,
+                       next((tensor.device for tensor in tensors if copies.holds(tensor)), None))
 
-    handed_over = stats.now()
 
-    def write() -> Outcome:
+@dataclass(frozen=True, slots=True)
+class _BackgroundSave:
+    """An asynchronous save handed to the background lane: :meth:`write` and :meth:`commit` run on
+    its threads, from ``handed_over`` on. It holds the staged copies only, not the state's tensors."""
+
+    staged: _Staged
+    writer: GenerationWriter
+    manifest_of: Callable[[list[RankWrites]], Manifest]
+    on_report: Callable[[RankWrites], None] | None
+    rt: Runtime
+    stats: PhaseStats
+    monitor: Monitor
+    commit_barrier: Commit
+    handed_over: float
+
+    def write(self) -> Outcome:
         # "queue": the wait for the lane's threads, long where an earlier save still writes or commits
-        stats.add("queue", handed_over, stats.now())
+        self.stats.add("queue", self.handed_over, self.stats.now())
+        staged = self.staged
         try:
-            return write_share(background_coord.rank, writer, pieces, values, stats, monitor=monitor,
-                               on_report=on_report)
+            return write_share(staged.coord.rank, self.writer, staged.pieces, staged.values, self.stats,
+                               monitor=self.monitor, on_report=self.on_report)
         finally:  # durable: the next save may stage into it, whatever the barrier does
-            rt.buffers.release(buffer, copied_from=copied_from)
+            self.rt.buffers.release(staged.buffer, copied_from=staged.copied_from)
 
-    def commit_in_background(report: Outcome) -> None:
-        stats.add("queue", stats.spans[-1][2], stats.now())  # from the end of this save's write
-        commit(background_coord, writer, report, manifest_of, stats, monitor)
-
-    job = rt.background.submit(write, commit_in_background, label=f"{location.display} (generation {generation})")
-    return SaveHandle(location.display, generation, stats, job, monitor)
+    def commit(self, report: Outcome) -> None:
+        self.stats.add("queue", self.stats.spans[-1][2], self.stats.now())  # from the end of this save's write
+        self.commit_barrier(self.staged.coord, self.writer, report, self.manifest_of, self.stats, self.monitor)
 
 
 def _in_process(rt: Runtime, location: Location, buffer: Any, options: SaveOptions) -> InProcess | None:
@@ -241,7 +265,7 @@ def _in_process(rt: Runtime, location: Location, buffer: Any, options: SaveOptio
     return InProcess(process, storage, shared, rt.buffers.shared_ids())
 
 
-def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> _Collected:
+def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> Collected:
     """The adapter's view of the state: pieces of the resharded components' tensors, and every other
     value encoded (and copied, so an asynchronous save is unaffected by later changes)."""
     try:
@@ -250,7 +274,7 @@ def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> _Coll
         raise exc.at(path)
 
 
-def _collected(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
+def _collected(state: Mapping[str, Any], options: SaveOptions) -> Collected:
     collected = collect(state, options.framework, for_load=False)
     tensors: list[tuple[str, Any, tuple[int, ...]]] = []
     pieces: list[Piece] = []
@@ -270,121 +294,18 @@ def _collected(state: Mapping[str, Any], options: SaveOptions) -> _Collected:
         else:
             values.append(encoded_value(name, value, allow_pickle=options.allow_pickle, chunk=DEFAULT_CHECKSUM_CHUNK,
                                         extract=held if name in collected.per_rank else None))
-    crcs = [crc_of(byte_view(host_contiguous(p.tensor))) for p in pieces] if options.verify_replicas else None
+    planned = [PlannedPiece(p, replica_crc=crc_of(byte_view(host_contiguous(p.tensor))) if options.verify_replicas
+                            else None) for p in pieces]
     loader = state.get(DATALOADER)
     declared = tensors + [(t.name, t.tensor.dtype, tuple(t.tensor.shape)) for t in plain]
     frozen = FrozenParameters.of(bound.obj for _, parts in collected.modules for bound in parts
                                  if isinstance(bound.obj, nn.Module)) if options.incremental and options.trust_frozen \
         else None
-    return _Collected(tensors, pieces, values, plain, crcs, structure_key(declared, pieces), collected.framework,
-                      loader.declaration() if isinstance(loader, DataloaderState) else None, frozen)
+    return Collected(tensors, planned, values, plain, options.verify_replicas, structure_key(declared, pieces),
+                     collected.framework, loader.declaration() if isinstance(loader, DataloaderState) else None, frozen)
 
 
-@dataclass(frozen=True, slots=True)
-class _Proposal:
-    """A rank's word on the plan: whether its cached plan still fits (and for which kinds of plain
-    tensors it was made), (rank 0) the generation, a digest of the checkpoint it names and what it
-    declares of its dataloader parts (the last two checked by every rank before anything is
-    written), a digest of each of its per-rank values (identical ones are written once,
-    ``planning.shared_values``) and of each of its plain tensors (``planning.plain_tensors``). For
-    an incremental save: (rank 0) the base generation and whether its claim was this process's, and
-    the generations this rank remembers saving at the path (``planning.reuse_memory``)."""
-
-    cache_hit: bool
-    cached_kinds: int | None
-    generation: int | None
-    target_digest: int
-    dataloader: list[int] | None
-    values: list[list[Any]]
-    plain: list[list[Any]]
-    base: int | None = None
-    continuous: bool = False
-    remembered: list[int] | None = None
-
-    def to_wire(self) -> list[Any]:
-        return [self.cache_hit, self.cached_kinds, self.generation, self.target_digest, self.dataloader, self.values,
-                self.plain, self.base, self.continuous, self.remembered]
-
-    @staticmethod
-    def from_wire(wire: list[Any]) -> "_Proposal":
-        return _Proposal(*wire)
-
-
-@dataclass(frozen=True, slots=True)
-class _Base:
-    """An incremental save's base: the newest committed generation at the path when the save
-    claimed its own (None: there is none, or the save is not incremental), and whether every rank
-    remembers what it stored there (else the base's manifest says)."""
-
-    generation: int | None = None
-    remembered: bool = False
-
-
-def _claim(location: Location, rt: Runtime, incremental: bool) -> tuple[int, int | None, bool]:
-    """(Rank 0) the generation claimed, the base of an incremental save, and whether the base's
-    claim is one this process made (its saves' memory is then the base's)."""
-    base = location.newest_committed() if incremental else None
-    generation, token = location.claim(base)
-    if not incremental:
-        return generation, None, False
-    rt.reuse.claimed(location.target, generation, token)
-    mine = rt.reuse.claim_token(location.target, base) if base is not None else None
-    return generation, base, mine is not None and mine == location.claim_token(base)
-
-
-def _agree_on_plan(coord: Coordinator, location: Location, collected: Outcome, rt: Runtime, cache: bool,
-                   incremental: bool) -> tuple[int, CachedPlan, _Share, list[list[list[Any]]], _Base]:
-    """The generation to write, this rank's share of the global plan (and what it plans), every
-    rank's value digests and an incremental save's base. Which plain tensors are tensor entries
-    follows from every rank's digests of them. When every rank's structure is unchanged since the
-    previous save, and its plain tensors are of the same kinds, the cached global plan is reused
-    after one small exchange (every rank's hit flag, and rank 0's generation, to every rank);
-    otherwise local plans are gathered and planned again."""
-    key = coord.cache_key()
-    structure = collected.value.structure if cache and collected.error is None else None
-    hit = rt.plan_cache.get(key, structure) if structure is not None else None
-    what = f"planning the save of {location.display}"
-
-    def propose() -> list[Any]:
-        if collected.error is not None:
-            raise collected.error
-        generation, base, continuous = _claim(location, rt, incremental) if coord.rank == 0 else (None, None, False)
-        return _Proposal(hit is not None, hit.kinds if hit is not None else None, generation,
-                         _digest(location.target), collected.value.dataloader,
-                         digests(collected.value.values), plain_tensors.digests(collected.value.plain),
-                         base, continuous, rt.reuse.generations((location.target, key))).to_wire()
-
-    proposals = [_Proposal.from_wire(wire) for wire in all_agree(coord, Outcome.of(propose), what)]
-    try:  # every rank holds every proposal, so every rank raises the same error here
-        if len({proposal.target_digest for proposal in proposals}) > 1:  # every rank sees it: collective
-            _refuse_targets(all_agree(coord, Outcome(location.target), what))
-        check_writers([proposal.dataloader for proposal in proposals])
-    except CheckpointError as exc:
-        raise exc.at(location.display)
-    generation, base = proposals[0].generation, proposals[0].base
-    base = _Base(base, base is not None and proposals[0].continuous and all(base in p.remembered for p in proposals))
-    entries = plain_tensors.same_everywhere([proposal.plain for proposal in proposals])
-    kinds = plain_tensors.kinds_digest(entries)
-    value_digests = [proposal.values + [pair for pair in proposal.plain if pair[0] not in entries]
-                     for proposal in proposals]
-    share = Outcome.of(lambda: collected.value.with_entries(entries))
-    if share.error is None and all(proposal.cache_hit and proposal.cached_kinds == kinds for proposal in proposals):
-        return generation, hit, share.value, value_digests, base
-    kept: dict[str, PlanColumns] = {}
-
-    def plan_globally(plans: list[Any]) -> list[Any]:
-        kept["columns"] = columns = PlanColumns([LocalPlan.from_wire(plan) for plan in plans])
-        return [assignment.to_wire() for assignment in global_plan(columns)]
-
-    local = Outcome.of(lambda: share.value.local_plan()) if share.error is None else share
-    wire = gather_then_reply(coord, local, plan_globally, what)
-    planned = CachedPlan(structure, RankAssignment.from_wire(wire), kept.get("columns"), kinds)
-    if cache:
-        rt.plan_cache.put(key, planned)
-    return generation, planned, share.value, value_digests, base
-
-
-def _base_boxes(coord: Coordinator, location: Location, rt: Runtime, place: Any, base: _Base,
+def _base_boxes(coord: Coordinator, location: Location, rt: Runtime, place: Any, base: Base,
                 names: set[str]) -> dict[Any, Remembered]:
     """The boxes of the tensors ``names`` that the base stores: from this process's memory of the
     save that wrote it where every rank has one, else (collective) from its manifest."""
@@ -421,21 +342,6 @@ def _base_manifest(coord: Coordinator, location: Location, generation: int) -> M
     except CheckpointError as exc:  # the same on every rank: every rank writes everything
         logger.warning("bcp: the base of the incremental save, %s, is damaged, so it writes everything: %s", where, exc)
         return None
-
-
-def _digest(target: str) -> int:
-    """The checkpoint a rank names, in 8 bytes: what every save's plan exchange carries (the names
-    themselves travel only when the digests differ)."""
-    return int.from_bytes(hashlib.blake2b(target.encode(), digest_size=8).digest(), "big")
-
-
-def _refuse_targets(targets: list[str]) -> None:
-    """Every rank must name the same checkpoint: ranks writing their shares to different places would
-    commit a generation whose files are elsewhere (found only when it is loaded)."""
-    named = {target: [rank for rank, t in enumerate(targets) if t == target] for target in targets}
-    listed = "; ".join(f"ranks {ranks}: {target}" for target, ranks in named.items())
-    raise CheckpointError(f"the ranks of one save name different checkpoints ({listed}): every rank "
-                          "must pass the same path or URL (and role)")
 
 
 def _manifest_builder(generation: int, framework: str, plan: CachedPlan,

@@ -99,6 +99,41 @@ class _Chunk:
     landing: Landing
 
 
+class _SourceWalk:
+    """The sources of one :meth:`ChunkedCopies.write_views` as the writer reaches them: a source
+    produced on demand is made only once the writer reaches it (and released when it moves on), so
+    the device chunks queued ahead of the writer stop at such a source until then."""
+
+    def __init__(self, sources: Sequence[Source]) -> None:
+        self._sources = sources
+        self._produced: list = [None] * len(sources)
+        self._reached = 0
+
+    def reach(self, index: int) -> Source:
+        """The writer is at source ``index``: its tensor or bytes (produced now where it is made on demand)."""
+        self._reached = index
+        source = self._sources[index]
+        item = self._produced[index] = source() if callable(source) else source
+        return item
+
+    def release(self, index: int) -> None:
+        """The writer is done with source ``index``: a produced tensor is let go before the next is made."""
+        self._produced[index] = None
+
+    def device_chunks(self, holds: Callable[[torch.Tensor], bool],
+                      step: int) -> Iterator[tuple[int, int, list[torch.Tensor]] | None]:
+        """The device tensors' chunks in order, as (source index, offset, views); None while the
+        next source is one produced on demand that the writer has not reached."""
+        for index, source in enumerate(self._sources):
+            if callable(source):
+                while self._reached < index:
+                    yield None
+                source = self._produced[index]
+            if isinstance(source, torch.Tensor) and holds(source):
+                for offset, parts in _chunks_of(source, step):
+                    yield index, offset, parts
+
+
 class ChunkedCopies:
     """One operation's copies between accelerator memory and host memory, through the process's
     pinned chunks. Make it on the thread that produced the tensors (or will use them), naming
@@ -139,14 +174,12 @@ class ChunkedCopies:
         promise, ``storage.base.streamed_from``); a smaller chunk, or any with ``reused_from``
         None, is handed over as a copy of its own."""
         step = multiple_of * max(1, self._chunks.chunk_bytes // multiple_of)
-        produced: list = [None] * len(sources)
-        reached = [0]
-        jobs = self._device_chunks(sources, produced, reached, step)
+        walk = _SourceWalk(sources)
+        jobs = walk.device_chunks(self.holds, step)
         ahead: deque[_Chunk] = deque()
         try:
-            for index, source in enumerate(sources):
-                reached[0] = index
-                item = produced[index] = source() if callable(source) else source
+            for index in range(len(sources)):
+                item = walk.reach(index)
                 if isinstance(item, tuple):
                     for part in item or (memoryview(b""),):
                         yield index, part
@@ -162,7 +195,8 @@ class ChunkedCopies:
                             data = data.clone()
                         yield index, byte_view(data)
                         self._chunks.give(ahead.popleft().buffer)
-                produced[index] = item = None
+                item = None
+                walk.release(index)
         finally:
             self._give_back([chunk.buffer for chunk in ahead], [chunk.landing for chunk in ahead])
 
@@ -221,19 +255,6 @@ class ChunkedCopies:
             if queue is None:
                 queue = self._queues[device] = self.accelerator.open_queue(device)
             return queue
-
-    def _device_chunks(self, sources: Sequence[Source], produced: list, reached: list[int],
-                       step: int) -> Iterator[tuple[int, int, list[torch.Tensor]] | None]:
-        """The device tensors' chunks in order, as (source index, offset, views); None while the
-        next source is one produced on demand that the writer has not reached (made only then)."""
-        for index, source in enumerate(sources):
-            if callable(source):
-                while reached[0] < index:
-                    yield None
-                source = produced[index]
-            if isinstance(source, torch.Tensor) and self.holds(source):
-                for offset, parts in _chunks_of(source, step):
-                    yield index, offset, parts
 
     def _queue_ahead(self, ahead: deque[_Chunk], jobs: Iterator) -> bool:
         """Queue chunk copies until ``AHEAD`` wait beyond the one in use; whether any was queued."""

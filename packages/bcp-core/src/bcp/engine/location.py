@@ -16,7 +16,6 @@ that takes the same number; the next commit removes it.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -26,10 +25,11 @@ import time
 from dataclasses import dataclass
 
 from bcp.engine.checksum import crc_of
-from bcp.errors import (CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError,
-                        FormatVersionError, StorageError)
-from bcp.layout.manifest import EARLIER_FILES_VERSION, FORMAT_NAME, MARKER_VERSION, SHARD_TABLE, Manifest
-from bcp.layout.references import generation_dir, referred_generations, split_reference
+from bcp.errors import CheckpointNotCommittedError, CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from bcp.layout.manifest import SHARD_TABLE, Manifest
+from bcp.layout.manifest_files import earlier_generations
+from bcp.layout.markers import MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, Claim, CommitMarker
+from bcp.layout.references import generation_dir, split_reference
 from bcp.storage.base import Storage
 
 logger = logging.getLogger("bcp")
@@ -37,16 +37,10 @@ logger = logging.getLogger("bcp")
 MANIFEST = "manifest.json"
 COMMIT_MARKER = "COMMITTED"
 CLAIM = "CLAIM"
-#: Set in the claim of a failed save's generation whose files are removed (see ``Location.discard``).
-DISCARDED = "discarded"
 DATA_DIR = "data"
 #: The metrics log's folder beside the generations (bcp.api.metrics_log); never a generation.
 METRICS_DIR = "bcp-metrics"
 DEFAULT_KEEP_GENERATIONS = 2
-# A marker is ~150 bytes; a manifest, columnar, is a few MB at thousands of ranks. What a hostile
-# marker may claim is bounded before anything is read.
-MAX_MARKER_BYTES = 4096
-MAX_MANIFEST_BYTES = 256 << 20
 _GENERATION = re.compile(r"gen-(\d{8})")
 _DATA_FILE = re.compile(rf"{DATA_DIR}/(\d{{5}})-\d{{2}}\.bin")
 _OPEN_TRIES = 3  # a generation removed while being opened is retried on the newest committed one
@@ -113,8 +107,7 @@ class Location:
         existing = self.generations()
         generation = existing[-1] + 1 if existing else 1
         token = secrets.token_hex(8)
-        claim = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "unix": time.time(), "token": token,
-                            **({} if base is None else {"base": base})}).encode()
+        claim = Claim(token, base, socket.gethostname(), os.getpid(), time.time()).to_json()
         try:
             while not self.storage.put_if_absent(self.name(generation, CLAIM), claim):
                 generation += 1
@@ -125,8 +118,8 @@ class Location:
 
     def claim_token(self, generation: int) -> str | None:
         """The token of ``generation``'s claim (None where it has none or cannot be read)."""
-        token = self._claim(generation).get("token")
-        return token if isinstance(token, str) else None
+        claim = self.read_claim(generation)
+        return claim.token if claim is not None else None
 
     def newest_committed(self) -> int | None:
         """The newest committed generation, None where there is none."""
@@ -167,12 +160,9 @@ class Location:
         self._check_claimed(generation)
         self.storage.write_file(self.name(generation, SHARD_TABLE), [memoryview(table_bytes)])
         self.storage.write_file(self.name(generation, MANIFEST), [memoryview(manifest_bytes)])
-        marker = {
-            "format": FORMAT_NAME, "version": MARKER_VERSION, "generation": generation,
-            "manifest_bytes": len(manifest_bytes), "manifest_crc32c": crc_of(memoryview(manifest_bytes)),
-        }
+        marker = CommitMarker(generation, len(manifest_bytes), crc_of(memoryview(manifest_bytes)))
         self._check_claimed(generation)
-        if not self.storage.put_if_absent(self.name(generation, COMMIT_MARKER), json.dumps(marker).encode()):
+        if not self.storage.put_if_absent(self.name(generation, COMMIT_MARKER), marker.to_json()):
             raise CheckpointNotCommittedError(
                 f"generation {generation} was committed by another writer", path=self.display)
 
@@ -205,10 +195,10 @@ class Location:
             size = self.storage.size(self.name(generation, COMMIT_MARKER))
             if size > MAX_MARKER_BYTES:
                 raise CorruptCheckpointError(f"commit marker is {size} bytes, not a bcp marker", path=where)
-            marker = _parse_marker(self.storage.read_bytes(self.name(generation, COMMIT_MARKER)), generation, where)
+            marker = CommitMarker.parse(self.storage.read_bytes(self.name(generation, COMMIT_MARKER)), generation, where)
             size = self.storage.size(self.name(generation, MANIFEST))
-            data = self.storage.read_bytes(self.name(generation, MANIFEST)) if size == marker["manifest_bytes"] else b""
-            if len(data) != marker["manifest_bytes"] or marker["manifest_crc32c"] != crc_of(memoryview(data)):
+            data = self.storage.read_bytes(self.name(generation, MANIFEST)) if size == marker.manifest_bytes else b""
+            if len(data) != marker.manifest_bytes or marker.manifest_crc32c != crc_of(memoryview(data)):
                 raise CorruptCheckpointError("manifest does not match the checksum in the commit marker", path=where)
             table = self.storage.read_bytes(self.name(generation, SHARD_TABLE))
         except FileNotFoundError as exc:
@@ -261,8 +251,9 @@ class Location:
                 return None
             needed |= found
         for generation in in_progress:
-            base = self._claim(generation).get("base")
-            if type(base) is int and base > 0:
+            claim = self.read_claim(generation)
+            base = claim.base if claim is not None else None
+            if base is not None:
                 found = self.earlier_of(base)
                 if found is None:
                     return None
@@ -279,26 +270,22 @@ class Location:
             data = self.storage.read_bytes(self.name(generation, MANIFEST))
             if b'"gen-' not in data:  # no file of an earlier generation can be listed: skip parsing
                 return set()
-            doc = json.loads(data)
-            version = doc.get("version")
-            files = doc.get("files") if type(version) is int and version >= EARLIER_FILES_VERSION else []
-            return {g for g in referred_generations(f for f in files if isinstance(f, str)) if g < generation}
-        except (FileNotFoundError, ValueError, TypeError, AttributeError, RecursionError):
+            return earlier_generations(data, generation)
+        except FileNotFoundError:
             return set()
         except OSError as exc:
             logger.warning("bcp: cannot read the manifest of %s/%s (%s): retention keeps every older generation",
                            self.display, generation_dir(generation), exc)
             return None
 
-    def _claim(self, generation: int) -> dict:
-        """``generation``'s claim (empty where there is none, or it is not a claim)."""
+    def read_claim(self, generation: int) -> Claim | None:
+        """``generation``'s claim (None where there is none, it cannot be read, or it is not a claim)."""
         try:
             if self.storage.size(self.name(generation, CLAIM)) > MAX_MARKER_BYTES:
-                return {}
-            claim = json.loads(self.storage.read_bytes(self.name(generation, CLAIM)))
-        except (OSError, ValueError, RecursionError):
-            return {}
-        return claim if isinstance(claim, dict) else {}
+                return None
+            return Claim.from_json(self.storage.read_bytes(self.name(generation, CLAIM)))
+        except OSError:
+            return None
 
     def discard(self, generation: int, every_writer_stopped: bool = False) -> None:
         """Best effort after a failed save: remove ``generation`` unless it is committed. With
@@ -316,37 +303,13 @@ class Location:
             for child in self.storage.list_dir(folder):
                 if child != CLAIM:
                     self.storage.delete_tree(f"{folder}/{child}")
-            claim = json.loads(self.storage.read_bytes(self.name(generation, CLAIM)))
-            self.storage.write_file(self.name(generation, CLAIM), [memoryview(json.dumps(
-                {**claim, DISCARDED: True}).encode())])
-        except (OSError, ValueError):
+            claim = Claim.from_json(self.storage.read_bytes(self.name(generation, CLAIM)))
+            if claim is not None:
+                self.storage.write_file(self.name(generation, CLAIM), [memoryview(claim.marked_discarded().to_json())])
+        except OSError:
             pass  # best effort: the save's own error is the one to report
 
     def is_discarded(self, generation: int) -> bool:
         """Whether ``generation`` is the remains of a failed save (its claim marked by :meth:`discard`)."""
-        try:
-            claim = json.loads(self.storage.read_bytes(self.name(generation, CLAIM)))
-        except (OSError, ValueError):  # no claim (being removed), or not bcp's JSON
-            return False
-        return isinstance(claim, dict) and claim.get(DISCARDED) is True
-
-
-def _parse_marker(data: bytes, generation: int, where: str) -> dict:
-    """The commit marker's fields, each checked for type and range."""
-    try:
-        marker = json.loads(data)
-    except (ValueError, RecursionError):
-        raise CorruptCheckpointError("commit marker is not valid JSON", path=where) from None
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT_NAME:
-        raise CorruptCheckpointError("commit marker is not a bcp marker", path=where)
-    version = marker.get("version")
-    if type(version) is not int or version != MARKER_VERSION:
-        raise FormatVersionError(f"commit marker of format version {version!r}; this bcp reads "
-                                 f"({MARKER_VERSION},)", path=where)
-    if type(marker.get("generation")) is not int or marker["generation"] != generation:
-        raise CorruptCheckpointError(f"commit marker names generation {marker.get('generation')!r}, "
-                                     f"not {generation}", path=where)
-    size, crc = marker.get("manifest_bytes"), marker.get("manifest_crc32c")
-    if type(size) is not int or not 0 < size <= MAX_MANIFEST_BYTES or type(crc) is not int or not 0 <= crc < 2**32:
-        raise CorruptCheckpointError("commit marker's manifest size or checksum is out of range", path=where)
-    return marker
+        claim = self.read_claim(generation)  # None: no claim (being removed), or not bcp's JSON
+        return claim is not None and claim.discarded

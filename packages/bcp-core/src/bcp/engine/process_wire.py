@@ -1,14 +1,16 @@
 """Messages between the training process and its writer process over their private socket pair:
-a pickled tuple (both ends are bcp's own code; nothing read from a checkpoint travels here), with
-file descriptors (shared memory) passed alongside. Light imports only: the writer process starts
+a record (``writer_jobs``) as msgpack, with file descriptors (shared memory) passed alongside. Light imports only: the writer process starts
 with them alone."""
 
 from __future__ import annotations
 
-import pickle
 import socket
 import struct
-from typing import Any
+from typing import Any, Callable, Mapping
+
+import msgpack
+
+from bcp.wire_records import WireRecord
 
 _HEADER = struct.Struct("<QI")  # payload bytes, descriptors passed with the header
 MAX_FDS = 64
@@ -19,9 +21,9 @@ class PeerGone(EOFError):
     sent to it (an end closed with unread data resets the connection)."""
 
 
-def send(sock: socket.socket, message: tuple, fds: list[int] = ()) -> None:
+def send(sock: socket.socket, message: WireRecord, fds: list[int] = ()) -> None:
     """Sends ``message`` (and ``fds``); :class:`PeerGone` where the other process has gone."""
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    payload = msgpack.packb(message.to_wire(), use_bin_type=True)
     header = _HEADER.pack(len(payload), len(fds))
     try:
         if fds:
@@ -33,15 +35,16 @@ def send(sock: socket.socket, message: tuple, fds: list[int] = ()) -> None:
         raise PeerGone(f"the other process closed its end ({exc.strerror})") from None
 
 
-def receive(sock: socket.socket) -> tuple[Any, list[int]]:
-    """The next message and the descriptors that came with it; :class:`PeerGone` at the end."""
+def receive(sock: socket.socket, read: Callable[[Mapping[str, Any]], Any]) -> tuple[Any, list[int]]:
+    """The next message (its record, as ``read`` decodes it) and the descriptors that came with it;
+    :class:`PeerGone` at the end."""
     try:
         header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, MAX_FDS)
         if not header:
             raise PeerGone("the other process closed its end")
         header += _exactly(sock, _HEADER.size - len(header))
         size, _ = _HEADER.unpack(header)
-        return pickle.loads(_exactly(sock, size)), fds
+        return read(msgpack.unpackb(_exactly(sock, size), raw=False, use_list=True)), fds
     except ConnectionResetError:
         raise PeerGone("the other process closed its end with messages unread") from None
 

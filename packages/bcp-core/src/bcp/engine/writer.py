@@ -32,6 +32,7 @@ from bcp.engine.chunked_copies import ChunkedCopies, Source
 from bcp.engine.location import Location, data_file_name
 from bcp.engine.priority import lower_this_thread
 from bcp.engine.shared_memory import SharedHostBuffer
+from bcp.engine.writer_jobs import FileItem, FileJob, Padding, StagedPiece, ValueBytes
 from bcp.engine import writer_process
 from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
 from bcp.storage.base import streamed_from
@@ -113,10 +114,7 @@ class GenerationWriter:
         for file_index, (file_items, file_crcs) in enumerate(zip(placed, crcs)):
             for (item, offset), item_crcs in zip(file_items, file_crcs):
                 if item.piece is not None:
-                    part = item.piece.part
-                    piece_rows.append(PieceRecord(item.piece.index, part.offsets if part else None,
-                                                  part.lengths if part else None, file_index, offset, item.nbytes,
-                                                  item_crcs))
+                    piece_rows.append(PieceRecord.of(item.piece, file_index, offset, item.nbytes, item_crcs))
                 else:
                     value = item.value
                     value_rows.append(ValueRecord(value.name, file_index, offset, item.nbytes, value.tree_nbytes,
@@ -135,20 +133,20 @@ class GenerationWriter:
             return [future.result() for future in futures]
 
     def _write_in_process(self, files: list[str], placed: list[list[tuple[_Item, int]]]) -> list[list[list[int]]]:
-        """Each file as the writer process writes it, in order: zero bytes (an int) before a piece
-        placed for direct I/O, a piece's place in the shared buffer, a value's bytes."""
+        """Each file as the writer process writes it, in order: zero bytes before a piece placed for
+        direct I/O, a piece's place in the shared buffer, a value's bytes."""
         to = self.in_process
         jobs = []
         for name, file_items in zip(files, placed):
-            listed: list = []
+            listed: list[FileItem] = []
             end = 0
             for item, offset in file_items:
                 if offset > end:
-                    listed.append(offset - end)
-                listed.append((to.buffer.id, item.staged, item.nbytes, self._known_crcs(item)) if item.piece is not None
-                              else (item.value.joined(), self._known_crcs(item)))
+                    listed.append(Padding(offset - end))
+                listed.append(StagedPiece(to.buffer.id, item.staged, item.nbytes, self._known_crcs(item))
+                              if item.piece is not None else ValueBytes(item.value.joined(), self._known_crcs(item)))
                 end = offset + item.nbytes
-            jobs.append((self.location.name(self.generation, name), listed))
+            jobs.append(FileJob(self.location.name(self.generation, name), listed))
         return to.process.write_files(to.storage, self.chunk, jobs, [to.buffer], to.live, self.abandon,
                                       f"writing generation {self.generation}", self.location.display)
 

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 from bcp.engine.process_wire import PeerGone, receive, send
 from bcp.engine.shared_memory import SharedHostBuffer
+from bcp.engine.writer_jobs import Abandon, Done, Failed, Failure, FileJob, SharedBuffer, Stop, WriteJob, read_reply
 from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
 from bcp.storage.memory import MemoryStorage
 
@@ -65,9 +66,6 @@ STOP_WAIT_S = 10.0
 #: How often a waiting save looks for an abandon request: each look takes the interpreter lock from
 #: the training thread for a moment.
 POLL_S = 0.2
-
-# A file's items on the wire: a piece as (shared buffer id, offset, nbytes), a value as its bytes,
-# padding as its length.
 
 
 def storage_for_process(storage: Any) -> bytes | None:
@@ -111,36 +109,34 @@ class WriterProcess:
     def alive(self) -> bool:
         return self._process.poll() is None
 
-    def write_files(self, storage: bytes, chunk: int, files: Sequence[tuple[str, list]],
+    def write_files(self, storage: bytes, chunk: int, files: Sequence[FileJob],
                     buffers: Sequence[SharedHostBuffer], live: set[int],
                     abandon: threading.Event | None, what: str, display: str) -> list[list[list[int]]]:
-        """Write ``files`` (storage names and their items, in order: see ``writer_process_main``)
-        to ``storage``; each checksummed item's chunk checksums, per file. ``buffers`` hold the pieces; ``live`` are the ids of every shared
-        buffer still held (the writer process unmaps the others). ``what`` names the job in errors."""
+        """Write ``files`` to ``storage`` (``WriteJob``); each checksummed item's chunk checksums, per
+        file. ``buffers`` hold the pieces; ``live`` are the ids of every shared buffer still held (the
+        writer process unmaps the others). ``what`` names the job in errors."""
         new = [b for b in buffers if b.id not in self._mapped]
-        job = {"storage": storage, "chunk": chunk, "direct": DIRECT_IO, "files": list(files), "live": sorted(live),
-               "new": [(b.id, b.nbytes) for b in new]}
+        job = WriteJob(storage, chunk, DIRECT_IO, list(files), sorted(live), [SharedBuffer(b.id, b.nbytes) for b in new])
         with self._lock:
             try:
-                self._send(("write", job), [b.fd for b in new])
+                self._send(job, [b.fd for b in new])
                 self._mapped = (self._mapped | {b.id for b in new}) & live
                 reply = self._await_reply(abandon)
             except (PeerGone, OSError) as exc:
                 raise self._died(what, display) from exc
-        if reply[0] == "done":
-            return reply[1]
-        _, kind, message = reply
-        if kind == "abandoned":
+        if isinstance(reply, Done):
+            return reply.crcs
+        if reply.reason is Failure.ABANDONED:
             raise SaveAbandonedError(f"{what} was abandoned before its files were complete", path=display)
-        if kind == "storage":
-            raise StorageError(f"{what} failed in bcp's writer process: {message}", path=display)
-        raise CheckpointError(f"{what} failed in bcp's writer process:\n{message}", path=display)
+        if reply.reason is Failure.STORAGE:
+            raise StorageError(f"{what} failed in bcp's writer process: {reply.message}", path=display)
+        raise CheckpointError(f"{what} failed in bcp's writer process:\n{reply.message}", path=display)
 
     def close(self) -> None:
         """Stop the writer process (killed if it does not leave within ``STOP_WAIT_S``)."""
         with self._lock:
             try:
-                self._send(("stop",))
+                self._send(Stop())
             except (PeerGone, OSError):
                 pass  # already gone
             with self._sending:
@@ -155,24 +151,24 @@ class WriterProcess:
         """Asks the writer process to stop its job before its next piece, now (from any thread;
         ``write_files`` then raises ``SaveAbandonedError``). Without a job it has nothing to stop."""
         try:
-            self._send(("abandon",))
+            self._send(Abandon())
         except (PeerGone, OSError):
             pass  # gone or closed: no job left to stop
 
-    def _send(self, message: tuple, fds: Sequence[int] = ()) -> None:
+    def _send(self, message: WriteJob | Abandon | Stop, fds: Sequence[int] = ()) -> None:
         with self._sending:
             send(self._sock, message, list(fds))
 
-    def _await_reply(self, abandon: threading.Event | None) -> tuple:
+    def _await_reply(self, abandon: threading.Event | None) -> Done | Failed:
         # Asked at once where the save was abandoned already: the request ``abandon()`` sent may have
         # reached the writer process before the job, which then had nothing to stop.
         asked = False
         while True:
             if abandon is not None and not asked and abandon.is_set():
-                self._send(("abandon",))
+                self._send(Abandon())
                 asked = True
             if select.select([self._sock], [], [], POLL_S)[0]:
-                return receive(self._sock)[0]
+                return receive(self._sock, read_reply)[0]
 
     def _died(self, what: str, display: str) -> StorageError:
         try:

@@ -20,11 +20,13 @@ import sys
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from bcp.engine.checksum import chunk_crcs
 from bcp.engine.priority import lower_this_thread
 from bcp.engine.process_wire import PeerGone, receive, send
+from bcp.engine.writer_jobs import (Abandon, Done, Failed, Failure, FileItem, Padding, SharedBuffer, StagedPiece,
+                                    Stop, WriteJob, read_request)
 
 #: How often the writer looks for an abandon request (or a vanished trainer) while files are written.
 POLL_S = 0.05
@@ -46,28 +48,28 @@ class _Writer:
     def serve(self) -> None:
         """Answers jobs until told to stop; :class:`PeerGone` once the training process is gone."""
         while True:
-            message, fds = receive(self.sock)
-            if message[0] == "stop":
+            message, fds = receive(self.sock, read_request)
+            if isinstance(message, Stop):
                 return
-            if message[0] == "write":
-                send(self.sock, self.job(message[1], fds))
-            # an "abandon" arriving after its job finished has nothing left to stop
+            if isinstance(message, WriteJob):
+                send(self.sock, self.job(message, fds))
+            # an Abandon arriving after its job finished has nothing left to stop
 
-    def job(self, job: dict, fds: list[int]) -> tuple:
+    def job(self, job: WriteJob, fds: list[int]) -> Done | Failed:
         self.stop.clear()
         try:
-            self.map_buffers(job["new"], fds, job["live"])
+            self.map_buffers(job.new, fds, job.live)
             self.watch()  # an abandon request sent after the job, before the writer got to it: no write starts
             if self.stop.is_set():
                 raise _Abandoned()
-            storage = self.storage(job["storage"])
-            files = job["files"]
+            storage = self.storage(job.storage)
+            files = job.files
             if self.pool is None or self.pool._max_workers < len(files):
                 if self.pool is not None:
                     self.pool.shutdown()
                 self.pool = ThreadPoolExecutor(max_workers=max(1, len(files)), thread_name_prefix="bcp-write")
-            futures = [self.pool.submit(self.write_file, storage, name, items, job["chunk"], job["direct"])
-                       for name, items in files]
+            futures = [self.pool.submit(self.write_file, storage, file.name, file.items, job.chunk, job.direct)
+                       for file in files]
             while True:
                 self.watch()  # first at once: an abandon request may have come with the job
                 if not wait(futures, timeout=POLL_S).not_done:
@@ -78,13 +80,13 @@ class _Writer:
             first = next((e for e in errors if not isinstance(e, _Abandoned)), errors[0] if errors else None)
             if first is not None:
                 raise first
-            return ("done", [future.result() for future in futures])
+            return Done([future.result() for future in futures])
         except _Abandoned:
-            return ("failed", "abandoned", "the save was abandoned before its files were complete")
+            return Failed(Failure.ABANDONED, "the save was abandoned before its files were complete")
         except OSError as exc:
-            return ("failed", "storage", str(exc))
+            return Failed(Failure.STORAGE, str(exc))
         except BaseException:
-            return ("failed", "error", traceback.format_exc())
+            return Failed(Failure.ERROR, traceback.format_exc())
 
     def watch(self) -> None:
         """Between polls: an abandon request, or the training process gone, stops the writes."""
@@ -92,17 +94,17 @@ class _Writer:
             self.stop.set()
         if select.select([self.sock], [], [], 0)[0]:
             try:
-                message, _ = receive(self.sock)
+                message, _ = receive(self.sock, read_request)
             except PeerGone:
                 self.stop.set()
                 return
-            if message[0] in ("abandon", "stop"):
+            if isinstance(message, (Abandon, Stop)):
                 self.stop.set()
 
-    def map_buffers(self, new: list[tuple[int, int]], fds: list[int], live: list[int]) -> None:
-        for (buffer_id, nbytes), fd in zip(new, fds):
+    def map_buffers(self, new: list[SharedBuffer], fds: list[int], live: list[int]) -> None:
+        for buffer, fd in zip(new, fds):
             try:
-                self.maps[buffer_id] = mmap.mmap(fd, max(1, nbytes))
+                self.maps[buffer.id] = mmap.mmap(fd, max(1, buffer.nbytes))
             finally:
                 os.close(fd)
         for buffer_id in set(self.maps) - set(live):  # the training process gave these back
@@ -114,10 +116,10 @@ class _Writer:
             storage = self.storages[pickled] = pickle.loads(pickled)
         return storage
 
-    def write_file(self, storage: Any, name: str, items: list, chunk: int, direct: bool) -> list[list[int]]:
-        """Write one file: ``items`` in order, each a piece's place in a shared buffer, a value's
-        bytes, or a count of zero bytes (padding, not checksummed); each piece's and value's chunk
-        checksums, in order (those the training process sent along, else computed while writing).
+    def write_file(self, storage: Any, name: str, items: Sequence[FileItem], chunk: int,
+                   direct: bool) -> list[list[int]]:
+        """Write one file: ``items`` in order; each piece's and value's chunk checksums, in order
+        (those the training process sent along, else computed while writing).
         With ``direct``, through the storage's direct I/O where it has one."""
         crcs: list[list[int]] = []
 
@@ -125,12 +127,12 @@ class _Writer:
             for item in items:
                 if self.stop.is_set():
                     raise _Abandoned()
-                if isinstance(item, int):
-                    yield memoryview(bytes(item))
+                if isinstance(item, Padding):
+                    yield memoryview(bytes(item.nbytes))
                     continue
-                data = memoryview(item[0]) if isinstance(item[0], bytes) else \
-                    memoryview(self.maps[item[0]])[item[1]: item[1] + item[2]]
-                crcs.append(item[-1] if item[-1] is not None else chunk_crcs(data, chunk))
+                data = memoryview(self.maps[item.buffer])[item.offset: item.offset + item.nbytes] \
+                    if isinstance(item, StagedPiece) else memoryview(item.data)
+                crcs.append(item.crcs if item.crcs is not None else chunk_crcs(data, chunk))
                 yield data
                 del data  # a view would keep the map from closing
 

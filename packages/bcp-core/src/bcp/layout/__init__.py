@@ -1,5 +1,5 @@
 """The representation shared by every layer: boxes, shard descriptions, the manifest and the safe
-value encoding. Imports nothing else of bcp but its errors."""
+value encoding. Imports nothing else of bcp but its errors and its wire records."""
 
 from bcp.layout.box import Box, flat_range_to_boxes
 from bcp.layout.manifest import FORMAT_VERSION, Manifest, ObjectEntry, ShardEntry, TensorEntry

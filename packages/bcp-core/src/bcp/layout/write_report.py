@@ -5,9 +5,14 @@ chunk checksums, and the pieces it did not write because an earlier generation s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from bcp.wire_records import WireRecord, list_of
+
+if TYPE_CHECKING:
+    from bcp.layout.write_plan import PieceWrite
 
 
 @dataclass(slots=True)
@@ -22,16 +27,19 @@ class WrittenPieces:
     crc_counts: np.ndarray
     crcs: np.ndarray
 
-    def to_wire(self) -> list[Any]:
-        return [self.index.tobytes(), self.parts, self.where.tobytes(), self.crc_counts.tobytes(),
-                self.crcs.tobytes()]
+    #: The layout of :meth:`to_wire`: each column's bytes by name.
+    VERSION = 1
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": self.VERSION, "index": self.index.tobytes(), "parts": self.parts,
+                "where": self.where.tobytes(), "crc_counts": self.crc_counts.tobytes(), "crcs": self.crcs.tobytes()}
 
     @staticmethod
-    def from_wire(wire: list[Any]) -> "WrittenPieces":
-        index, parts, where, crc_counts, crcs = wire
-        return WrittenPieces(np.frombuffer(index, dtype=np.int64), parts,
-                             np.frombuffer(where, dtype=np.int64).reshape(-1, 3),
-                             np.frombuffer(crc_counts, dtype=np.int64), np.frombuffer(crcs, dtype=np.uint32))
+    def from_wire(wire: dict[str, Any]) -> "WrittenPieces":
+        return WrittenPieces(np.frombuffer(wire["index"], dtype=np.int64), wire["parts"],
+                             np.frombuffer(wire["where"], dtype=np.int64).reshape(-1, 3),
+                             np.frombuffer(wire["crc_counts"], dtype=np.int64),
+                             np.frombuffer(wire["crcs"], dtype=np.uint32))
 
     @staticmethod
     def empty() -> "WrittenPieces":
@@ -71,9 +79,16 @@ class PieceRecord:
     nbytes: int
     crcs: list[int]
 
+    @staticmethod
+    def of(write: "PieceWrite", file: int, offset: int, nbytes: int, crcs: list[int]) -> "PieceRecord":
+        """Where ``write``'s bytes lie: ``nbytes`` at ``offset`` of the rank's file ``file``."""
+        part = write.part
+        return PieceRecord(write.index, part.offsets if part else None, part.lengths if part else None, file, offset,
+                           nbytes, crcs)
+
 
 @dataclass(slots=True)
-class ValueRecord:
+class ValueRecord(WireRecord):
     """Where the writer put a value's record; ``ranks`` as in ``write_plan.ValueWrite``."""
 
     name: str
@@ -84,21 +99,16 @@ class ValueRecord:
     crcs: list[int]
     ranks: list[int] | None = None
 
-    def to_wire(self) -> list[Any]:
-        return [self.name, self.file, self.offset, self.nbytes, self.tree_nbytes, self.crcs, self.ranks]
-
-    @staticmethod
-    def from_wire(wire: list[Any]) -> "ValueRecord":
-        return ValueRecord(*wire)
-
 
 @dataclass(slots=True)
-class RankWrites:
+class RankWrites(WireRecord):
     """One rank's report: the files it wrote (names relative to the generation), its pieces and
     value records in them, whether any value was pickled and whether any record refers to tensors
     saved beside it; and the pieces whose bytes ``reused`` it did not write, in data files of earlier
     generations (``earlier_files``, named from the checkpoint path: ``layout.references``)."""
 
+    NESTED = {"pieces": WrittenPieces.from_wire, "values": list_of(ValueRecord.from_wire),
+              "reused": WrittenPieces.from_wire}
     files: list[str]
     pieces: WrittenPieces
     values: list[ValueRecord]
@@ -115,13 +125,3 @@ class RankWrites:
     @property
     def reused_nbytes(self) -> int:
         return int(self.reused.where[:, 2].sum())
-
-    def to_wire(self) -> list[Any]:
-        return [self.files, self.pieces.to_wire(), [v.to_wire() for v in self.values], self.used_pickle,
-                self.used_refs, self.reused.to_wire(), self.earlier_files]
-
-    @staticmethod
-    def from_wire(wire: list[Any]) -> "RankWrites":
-        files, pieces, values, used_pickle, used_refs, reused, earlier_files = wire
-        return RankWrites(files, WrittenPieces.from_wire(pieces), [ValueRecord.from_wire(v) for v in values],
-                          used_pickle, used_refs, WrittenPieces.from_wire(reused), earlier_files)

@@ -148,9 +148,8 @@ class Reuse:
     def complete(self, report: RankWrites) -> None:
         """Add the reused pieces to the rank's report (where their bytes lie, their checksums)."""
         files: dict[str, int] = {}
-        rows = [PieceRecord(write.index, write.part.offsets if write.part else None,
-                            write.part.lengths if write.part else None, files.setdefault(stored.file, len(files)),
-                            stored.offset, stored.nbytes, list(stored.crcs)) for write, stored in self.reused]
+        rows = [PieceRecord.of(write, files.setdefault(stored.file, len(files)), stored.offset, stored.nbytes,
+                               list(stored.crcs)) for write, stored in self.reused]
         report.reused, report.earlier_files = WrittenPieces.of(rows), list(files)
 
     def remembered(self, report: RankWrites, generation_folder: str) -> dict[Key, Remembered]:

@@ -8,7 +8,6 @@ folder, so a replaced node's empty folder never makes an older generation look n
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 from dataclasses import dataclass
@@ -18,8 +17,11 @@ from bcp.coord import Coordinator
 from bcp.coord.consensus import Outcome, all_agree
 from bcp.engine.location import CLAIM, DATA_DIR, MANIFEST, Location, generation_dir
 from bcp.errors import CheckpointError, StorageError
+from bcp.layout.manifest_files import listed_files
+from bcp.layout.markers import Claim
 from bcp.layout.references import split_reference
 from bcp.storage import LocalStorage
+from bcp.wire_records import WireRecord
 
 #: Committed generations a node's folder keeps after a commit (generations being written stay too).
 KEEP_GENERATIONS = 1
@@ -80,8 +82,8 @@ def agree_on_generation(coord: Coordinator, location: Location, node_lead: bool,
         if not node_lead:
             return
         try:
-            fresh = location.storage.put_if_absent(location.name(generation, CLAIM), json.dumps(
-                {"pid": os.getpid(), "token": token, **({} if base is None else {"base": base})}).encode())
+            fresh = location.storage.put_if_absent(location.name(generation, CLAIM),
+                                                   Claim(token, base, pid=os.getpid()).to_json())
         except OSError as exc:
             raise StorageError(f"cannot claim generation {generation} in the node's folder {location.storage.root}: "
                                f"{exc.strerror or exc}", path=location.display) from exc
@@ -94,7 +96,7 @@ def agree_on_generation(coord: Coordinator, location: Location, node_lead: bool,
 
 
 @dataclass(frozen=True, slots=True)
-class Held:
+class Held(WireRecord):
     """One generation in a rank's node folder: committed or not, its data files present (name ->
     size: its own, and when committed those of earlier generations its manifest names) and, when
     committed, the data files its manifest names."""
@@ -103,13 +105,6 @@ class Held:
     committed: bool
     present: dict[str, int]
     needed: list[str]
-
-    def to_wire(self) -> list[Any]:
-        return [self.generation, self.committed, self.present, self.needed]
-
-    @staticmethod
-    def from_wire(wire: list[Any]) -> "Held":
-        return Held(wire[0], wire[1], dict(wire[2]), list(wire[3]))
 
 
 def census(location: Location) -> list[Held]:
@@ -133,10 +128,9 @@ def _manifest_files(location: Location, generation: int) -> list[str] | None:
     """The data files the committed manifest names (checked again, fully, when it is opened); None
     when the manifest cannot be read (that node's copy of the generation is not used)."""
     try:
-        files = json.loads(location.storage.read_bytes(location.name(generation, MANIFEST)))["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+        return listed_files(location.storage.read_bytes(location.name(generation, MANIFEST)))
+    except OSError:
         return None
-    return [name for name in files if isinstance(name, str)] if isinstance(files, list) else None
 
 
 def retire_older(location: Location, generation: int, earlier: set[int]) -> None:
