@@ -13,10 +13,12 @@ to the node's folder and a copy to the peer node's folder, in the background). T
 for that save to commit before saving again, so when a step's loss is printed the step before is
 committed: a rank killed at any moment costs at most the step it was in and the one printed last.
 
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is needed by any job that torchrun restarts
-(``docs/memory-tier.md``, "Recovery under torchrun"): without it the restarted workers meet in the
-store of the first attempt, where the previous workers' addresses are still written, and
-``init_process_group`` fails now and then with "Connection refused".
+The process group is set up so that torchrun's restarts can form it (``init_process_group`` below;
+``docs/memory-tier.md``, "Recovery under torchrun"): the restarted workers meet in the store of the
+first attempt, where the dead workers' addresses are still written, and a plain
+``init_process_group`` there fails now and then with "Connection refused".
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each attempt a store of its own (required with
+several nodes under the c10d rendezvous).
 """
 
 from __future__ import annotations
@@ -72,11 +74,24 @@ def say(line: str) -> None:
     os.write(sys.stdout.fileno(), f"{line}\n".encode())
 
 
-def warn_if_the_store_is_shared_across_restarts() -> None:
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        print("warning: torchrun shares one store across its restarts; a restart may fail to form the process "
-              "group (connection refused). Run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", file=sys.stderr)
+def init_process_group(timeout: datetime.timedelta) -> None:
+    """The process group, keyed by torchrun's attempt where the launcher's store outlives attempts.
+
+    torchrun's agent hosts the store (``TORCHELASTIC_USE_AGENT_STORE``) for the whole run, and the
+    process group's setup keys each rank's address by rank alone: a restarted worker could read the
+    address a dead worker of the previous attempt wrote there and fail to connect. Keyed by the
+    attempt, it reads only its own attempt's. Every agent counts the same attempts with the static
+    rendezvous and on one node; with several nodes under the c10d rendezvous an agent does not count
+    a restart that another node caused, so there run torchrun with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` instead: each attempt then gets a store of its own."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group("gloo", timeout=timeout)
+        return
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                timeout=timeout)
+    store = dist.PrefixStore(f"attempt-{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent_store)
+    dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def main() -> None:
@@ -87,12 +102,11 @@ def main() -> None:
     parser.add_argument("--no-checkpoint", action="store_true", help="train without saving or loading")
     args = parser.parse_args()
 
-    warn_if_the_store_is_shared_across_restarts()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     rank = int(os.environ["RANK"])
     say(f"[rank {rank}] attempt {attempt} pid {os.getpid()} started {STARTED:.6f} imported {time.time():.6f}")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    init_process_group(datetime.timedelta(seconds=30))
     say(f"[rank {rank}] process group {time.time():.6f}")
 
     model, optimizer = build()

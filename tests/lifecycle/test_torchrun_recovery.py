@@ -1,7 +1,7 @@
 """Every-step memory-tier saves under torchrun's own restarts (``examples/every_step_torchrun.py``):
 a rank SIGKILLed at a random step costs at most one step. torchrun (``--max-restarts=1``) starts the
-workers again, they load the newest committed generation from the nodes' folders (2 ranks posing as
-2 nodes) and continue; their losses equal, bit for bit, those of the same job run without a fault,
+workers again, they load the newest committed generation from the nodes' folders (2 or 4 ranks
+posing as 2 nodes) and continue; their losses equal, bit for bit, those of the same job run without a fault,
 from the step after the loaded one. With the killed rank's node folder removed before the restart,
 the generation comes from the peer node's copy.
 
@@ -14,6 +14,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.distributed  # torchrun's worker processes, outside the
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_recovery_job.py")
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-STEPS = 40
+STEPS = 50
 JOB_LIMIT_S = 120  # a job has hung if it has not ended by then
 VICTIM = 1
 STEP_LINE = re.compile(r"\[rank (\d+)\] step (\d+) loss (\S+)")
@@ -37,10 +38,17 @@ class Torchrun:
     """``torchrun --standalone --max-restarts=1`` of the job script, its output read as it comes; calls
     ``on_line`` with each line (from the reading thread)."""
 
-    def __init__(self, tier_dir: str, nprocs: int, nodes: str, *extra: str, on_line=None) -> None:
-        # The recipe of docs/memory-tier.md: the restarted workers meet in a store of their own.
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-        command = [TORCHRUN, "--standalone", f"--nproc-per-node={nprocs}", "--max-restarts=1", "--monitor-interval=0.1",
+    def __init__(self, tier_dir: str, nprocs: int, nodes: str, *extra: str, rendezvous: str = "own-store",
+                 on_line=None) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
+        launcher = ["--standalone"]  # c10d rendezvous, the agent's store shared by every attempt
+        if rendezvous == "own-store":  # c10d rendezvous, a store for each attempt
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        elif rendezvous == "static":  # the store at --master-port, the agent's for the whole run
+            launcher = ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+                        "--nnodes=1", "--node-rank=0"]
+        command = [TORCHRUN, *launcher, f"--nproc-per-node={nprocs}", "--max-restarts=1", "--monitor-interval=0.1",
                    JOB, "--tier-dir", tier_dir, "--nodes", nodes, "--steps", str(STEPS), *extra]
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      cwd=ROOT, **own_process_group())
@@ -66,6 +74,12 @@ class Torchrun:
         output = "".join(self.lines)
         assert code is not None, f"torchrun did not end within {JOB_LIMIT_S}s:\n{output}"
         return code, output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def losses(lines: list[str]) -> dict[int, dict[int, str]]:
@@ -112,7 +126,7 @@ def reference(tmp_path_factory):
     return of
 
 
-def run_killed(tier_dir: str, nodes: str, kill_at: int, *extra: str) -> str:
+def run_killed(tier_dir: str, nodes: str, rendezvous: str, kill_at: int, *extra: str) -> str:
     """The job with rank ``VICTIM`` SIGKILLed as soon as it has printed step ``kill_at``; its output."""
     victim_pid: list[int] = []
     killed = threading.Event()
@@ -125,7 +139,8 @@ def run_killed(tier_dir: str, nodes: str, kill_at: int, *extra: str) -> str:
             os.kill(victim_pid[0], signal.SIGKILL)
             killed.set()
 
-    code, output = Torchrun(tier_dir, len(nodes.split(",")), nodes, *extra, on_line=on_line).finish()
+    code, output = Torchrun(tier_dir, len(nodes.split(",")), nodes, *extra, rendezvous=rendezvous,
+                            on_line=on_line).finish()
     assert killed.is_set(), f"rank {VICTIM} never printed step {kill_at}:\n{output}"
     # torchrun succeeds only where every worker of its last attempt exited 0; the first attempt
     # ended by the kill, which the agent saw as the victim's SIGKILL.
@@ -153,13 +168,17 @@ def check_recovery(output: str, reference: dict[int, str]) -> None:
         assert after[rank] == want, f"rank {rank} after resuming from step {loaded_step}:\n{output}"
 
 
-@pytest.mark.parametrize("nodes, lose_folder", [("a,b", False), ("a,b", True), ("a,a,b,b", True)],
-                         ids=["2-nodes-own-folders", "2-nodes-peer-copy", "4-ranks-on-2-nodes-peer-copy"])
-def test_a_rank_killed_at_a_random_step_costs_at_most_one_step(tmp_path, reference, nodes, lose_folder):
-    kill_at = random.Random().randint(2, STEPS - 15)
+# Each way torchrun can hand the workers a store (examples/every_step_torchrun.py's init_process_group):
+# a store per attempt (c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), the agent's for the whole run
+# (static; c10d by default), where the example keys the process group by the attempt.
+@pytest.mark.parametrize("nodes, lose_folder, rendezvous", [("a,b", False, "own-store"), ("a,b", True, "static"),
+                                                            ("a,a,b,b", True, "shared-store")],
+                         ids=["2-nodes-own-folders", "2-nodes-peer-copy-static", "4-ranks-on-2-nodes-peer-copy"])
+def test_a_rank_killed_at_a_random_step_costs_at_most_one_step(tmp_path, reference, nodes, lose_folder, rendezvous):
+    kill_at = random.Random().randint(2, STEPS - 25)
     lost = nodes.split(",")[VICTIM]
     extra = ("--lose-node", lost) if lose_folder else ()
-    output = run_killed(str(tmp_path / "tier"), nodes, kill_at, *extra)
+    output = run_killed(str(tmp_path / "tier"), nodes, rendezvous, kill_at, *extra)
     check_recovery(output, reference(nodes))
     if lose_folder:
         assert f"removed the folder of node {lost}\n" in output, output
