@@ -3,7 +3,9 @@ memory-tier save every step) runs under ``torchrun --max-restarts=1``; a rank is
 step, and the time from the kill to the first step completed after it is broken down; beside it the
 same job with no checkpoint, whose restart has nothing to load and starts from step 1.
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/torchrun_recovery.py
+    .venv/bin/python benchmarks/torchrun_recovery.py [--rounds 3] [--hidden 256]
+
+(torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, ``docs/memory-tier.md``.)
 
 The parts, from the workers' lines and torchrun's log (the clocks of one machine):
 - detection: the kill to the agent's log line naming the worker's exit code (it polls every
@@ -45,13 +47,13 @@ def agent_time(line: str) -> float:
     return when.timestamp()
 
 
-def one_recovery(checkpoint: bool) -> dict[str, float]:
+def one_recovery(checkpoint: bool, hidden: int) -> dict[str, float]:
     """One job killed at step ``KILL_AT``; the seconds of each part of its recovery."""
     with tempfile.TemporaryDirectory(prefix="bcp-torchrun-recovery-") as tier_dir:
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
         command = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node=2",
                    "--max-restarts=1", "--monitor-interval=0.1", EXAMPLE, "--tier-dir", tier_dir, "--nodes", "a,b",
-                   "--steps", str(STEPS)] + ([] if checkpoint else ["--no-checkpoint"])
+                   "--steps", str(STEPS), "--hidden", str(hidden)] + ([] if checkpoint else ["--no-checkpoint"])
         job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         lines, victim, killed_at = [], None, None
         for line in job.stdout:
@@ -81,12 +83,13 @@ def one_recovery(checkpoint: bool) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=256, help="the MLP's width (model + AdamW: 12 * hidden^2 bytes)")
     args = parser.parse_args()
     runs: dict[str, list[dict[str, float]]] = {"memory tier, every step": [], "no checkpoint": []}
     for _ in range(args.rounds):  # interleaved: a load on the machine weighs on both alike
-        runs["memory tier, every step"].append(one_recovery(checkpoint=True))
-        runs["no checkpoint"].append(one_recovery(checkpoint=False))
-    print(f"| job ({args.rounds} rounds, medians, s) | " + " | ".join(PARTS) + " | kill to first step |")
+        runs["memory tier, every step"].append(one_recovery(checkpoint=True, hidden=args.hidden))
+        runs["no checkpoint"].append(one_recovery(checkpoint=False, hidden=args.hidden))
+    print(f"| job (hidden {args.hidden}, {args.rounds} rounds, medians, s) | " + " | ".join(PARTS) + " | kill to first step |")
     print("| --- " * (len(PARTS) + 2) + "|")
     for name, parts in runs.items():
         medians = [statistics.median(run[part] for run in parts) for part in PARTS]

@@ -40,11 +40,11 @@ import bcp  # noqa: E402
 GLOBAL_BATCH = 32
 
 
-def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(hidden: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+    model = nn.Sequential(nn.Linear(32, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 4))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--tier-dir", required=True, help="the node-local folder of the memory tier")
     parser.add_argument("--nodes", help="the node id of each rank, comma separated (default: the host names)")
     parser.add_argument("--steps", type=int, default=50, help="train until this step")
+    parser.add_argument("--hidden", type=int, default=256, help="the MLP's width")
     parser.add_argument("--no-checkpoint", action="store_true", help="train without saving or loading")
     args = parser.parse_args()
 
@@ -109,7 +110,7 @@ def main() -> None:
     init_process_group(datetime.timedelta(seconds=30))
     say(f"[rank {rank}] process group {time.time():.6f}")
 
-    model, optimizer = build()
+    model, optimizer = build(args.hidden)
     say(f"[rank {rank}] built {time.time():.6f}")
     progress = {"step": 0}
     state = {"model": model, "optimizer": optimizer, "extra_state": progress}
