@@ -17,17 +17,17 @@ a load, ``wait_snapshot``); until then it returns at once.
 from __future__ import annotations
 
 import threading
-import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from bcp.engine.chunked_copies import ChunkedCopies, Pair
 from bcp.engine.staging import copy_in
 
-#: Seconds the copy's thread sleeps before it copies: a seam for tests, which make the copy slower
-#: than a training step with it (0 in use).
-COPY_DELAY_S = 0.0
+#: A seam for tests: called on the copy's thread before it copies (None in use). A test holds the
+#: copy back with it, so that training's next step surely runs before the copy; one that raises
+#: stands for a copy that fails.
+BEFORE_COPY: Callable[[], None] | None = None
 
 
 class SnapshotCopy:
@@ -69,8 +69,8 @@ class SnapshotCopy:
         pairs, copies = job
         job.clear()
         try:
-            if COPY_DELAY_S:
-                time.sleep(COPY_DELAY_S)
+            if BEFORE_COPY is not None:
+                BEFORE_COPY()
             copy_in(pairs, copies)
         except BaseException as exc:  # noqa: BLE001 - the save's write reports it; its handle raises it
             self._error = exc
