@@ -205,3 +205,18 @@ def test_overlap_without_async_save_is_refused(tmp_path):
     model, optimizer = _build(seed=4)
     with pytest.raises(bcp.CheckpointError, match="pass async_save=True"):
         bcp.save(str(tmp_path), {"model": model, "optimizer": optimizer}, overlap=True)
+
+
+def test_parameters_of_an_optimizer_outside_the_state_are_copied_at_the_call(tmp_path):
+    """No hook can make an optimizer the save does not see wait: its parameters are copied at the
+    call (the copy held back for ever does not hold this save back)."""
+    model, optimizer = _build(seed=5)
+    _step(model, optimizer, 0)
+    expected = {name: value for name, value in _state(model, optimizer).items() if name.startswith("model/")}
+    with _HeldCopy():
+        handle = bcp.save(str(tmp_path), {"model": model}, async_save=True, overlap=True)
+        _step(model, optimizer, 1)
+        handle.wait()
+    fresh, _ = _build(seed=99)
+    bcp.load(str(tmp_path), {"model": fresh})
+    assert_bitwise(expected, {f"model/{k}": v for k, v in fresh.state_dict().items()})

@@ -204,20 +204,20 @@ class _Remembering:
 
 @dataclass(frozen=True, slots=True)
 class _Stepped:
-    """What the optimizers of a state write (an overlapped save's copy runs until they step): the
-    optimizers, and the storages of the parameters they step and of their state."""
+    """What the optimizers of a state write, which an overlapped save copies while training goes on
+    (they wait for the copy before they step): the optimizers, and the storages of the parameters
+    they step and of their state. Whatever else the state holds is copied at the call: no hook
+    makes its writers wait (a parameter no optimizer of the state steps, for one)."""
 
     optimizers: list[torch.optim.Optimizer]
     storages: set[tuple[torch.device, int]]
 
     @staticmethod
-    def of(modules: list[Any], optimizers: list[Any]) -> "_Stepped":
+    def of(optimizers: list[Any]) -> "_Stepped":
         torch_optimizers = [o for o in optimizers if isinstance(o, torch.optim.Optimizer)]
-        tensors = [p for module in modules if isinstance(module, nn.Module) for p in module.parameters()]
-        for optimizer in torch_optimizers:
-            tensors += [p for group in optimizer.param_groups for p in group["params"]]
-            tensors += [t for values in optimizer.state.values() for t in values.values()
-                        if isinstance(t, torch.Tensor)]
+        tensors = [t for optimizer in torch_optimizers for t in [
+            *(p for group in optimizer.param_groups for p in group["params"]),
+            *(t for values in optimizer.state.values() for t in values.values() if isinstance(t, torch.Tensor))]]
         return _Stepped(torch_optimizers, {_storage_of(t) for t in tensors})
 
     def writes(self, tensor: torch.Tensor) -> bool:
@@ -251,8 +251,9 @@ class _Staged:
         buffer = rt.buffers.acquire(staged_nbytes(writes.pieces))
         try:
             pieces, pairs = place(writes.pieces, buffer)
-            later = [pair for pair in pairs if stepped is not None and stepped.writes(pair[1])]
-            copy_in([pair for pair in pairs if stepped is None or not stepped.writes(pair[1])], copies)
+            stepped_by = [stepped is not None and stepped.writes(tensor) for _, tensor in pairs]
+            copy_in([pair for pair, by_optimizer in zip(pairs, stepped_by) if not by_optimizer], copies)
+            later = [pair for pair, by_optimizer in zip(pairs, stepped_by) if by_optimizer]
             snapshot = SnapshotCopy(later, copies, stepped.optimizers, label) if later else None
         except BaseException:
             rt.buffers.release(buffer)
@@ -361,8 +362,8 @@ def _collected(state: Mapping[str, Any], options: SaveOptions) -> tuple[Collecte
     frozen = FrozenParameters.of(bound.obj for _, parts in collected.modules for bound in parts
                                  if isinstance(bound.obj, nn.Module)) if options.incremental and options.trust_frozen \
         else None
-    stepped = _Stepped.of([bound.obj for _, parts in collected.modules for bound in parts],
-                          [bound.obj for _, parts in collected.optimizers for bound in parts]) if options.overlap else None
+    stepped = _Stepped.of([bound.obj for _, parts in collected.optimizers for bound in parts]) if options.overlap \
+        else None
     return Collected(tensors, planned, values, plain, options.verify_replicas, structure_key(declared, pieces),
                      collected.framework, loader.declaration() if isinstance(loader, DataloaderState) else None,
                      frozen), stepped
