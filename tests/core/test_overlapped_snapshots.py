@@ -21,7 +21,7 @@ from torch import nn
 import bcp
 from bcp.engine import snapshot_copy
 from bcp.storage import LocalStorage
-from models import assert_bitwise, rank
+from models import assert_bitwise, build, full_state, rank, train
 
 OPENS_AFTER_S = 0.3  # the gate opens this long after the optimizer is called (the failing case races it)
 
@@ -66,6 +66,7 @@ class _HeldCopy:
     def __init__(self, fail_on_rank: int | None = None) -> None:
         self.gate = threading.Event()
         self.fail_on_rank = fail_on_rank
+        self.copies = 0  # copies that were overlapped (held here)
 
     def __enter__(self) -> "_HeldCopy":
         snapshot_copy.BEFORE_COPY = self._before_copy
@@ -76,6 +77,7 @@ class _HeldCopy:
         snapshot_copy.BEFORE_COPY = None
 
     def _before_copy(self) -> None:
+        self.copies += 1
         self.gate.wait()
         if rank() == self.fail_on_rank:
             raise OSError("a copy that fails")
@@ -100,6 +102,7 @@ def every_step_case(root: str) -> bool:
             overlapped = not handles[-1].done()  # the copy is held: the save cannot have been written
             held.open_soon()
             optimizer.step()  # waits for the copy; without the wait it overwrites the parameters first
+    assert held.copies == 3
     for handle in handles:
         handle.wait()
     for step, state in enumerate(expected):
@@ -109,6 +112,29 @@ def every_step_case(root: str) -> bool:
 
 def test_every_step_snapshot_is_the_state_at_the_call_while_the_next_step_runs(ranks, tmp_path):
     assert ranks(2).run(every_step_case, str(tmp_path)) == [True, True]
+
+
+def sharded_case(root: str, kind: str) -> int:
+    """A sharded model (DTensor parameters and optimizer state): the shards the optimizer steps are
+    copied late, the snapshot is the state at the call."""
+    model, optimizer = build(kind, seed=0)
+    train(model, optimizer, range(0, 1))
+    expected = full_state(model, optimizer)
+    with _HeldCopy() as held:
+        handle = bcp.save(root, {"model": model, "optimizer": optimizer}, async_save=True, overlap=True)
+        held.open_soon()
+        train(model, optimizer, range(1, 2))
+        handle.wait()
+    fresh, fresh_optimizer = build(kind, seed=5)
+    train(fresh, fresh_optimizer, range(0, 1))
+    bcp.load(root, {"model": fresh, "optimizer": fresh_optimizer})
+    assert_bitwise(expected, full_state(fresh, fresh_optimizer))
+    return held.copies
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "tp"])
+def test_sharded_parameters_are_copied_late_and_saved_as_at_the_call(ranks, tmp_path, kind):
+    assert ranks(2).run(sharded_case, str(tmp_path), kind) == [1, 1]
 
 
 def waits_case(root: str) -> int:
