@@ -38,18 +38,15 @@ class SnapshotCopy:
                  label: str) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._hooks = [optimizer.register_step_pre_hook(self._before_step) for optimizer in optimizers]
         self._lock = threading.Lock()
         job = [list(pairs), copies]  # emptied by the thread: nothing of the state outlives the copy
-        self._thread = threading.Thread(target=self._run, args=(job,), name=f"bcp-snapshot {label}", daemon=True)
-        self._thread.start()
+        threading.Thread(target=self._run, args=(job,), name=f"bcp-snapshot {label}", daemon=True).start()
+        # After the start: a thread that cannot start leaves no hook waiting for it for ever.
+        self._hooks = [optimizer.register_step_pre_hook(self._before_step) for optimizer in optimizers]
 
     def wait(self) -> None:
         """Block until the copy is done (or failed: the save's handle raises that, not this)."""
         self._done.wait()
-
-    def done(self) -> bool:
-        return self._done.is_set()
 
     def error(self) -> BaseException | None:
         """After :meth:`wait`: the copy's error, if it failed."""
