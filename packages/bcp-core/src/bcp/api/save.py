@@ -215,10 +215,10 @@ class _Stepped:
     @staticmethod
     def of(optimizers: list[Any]) -> "_Stepped":
         torch_optimizers = [o for o in optimizers if isinstance(o, torch.optim.Optimizer)]
-        tensors = [t for optimizer in torch_optimizers for t in [
-            *(p for group in optimizer.param_groups for p in group["params"]),
-            *(t for values in optimizer.state.values() for t in values.values() if isinstance(t, torch.Tensor))]]
-        return _Stepped(torch_optimizers, {_storage_of(t) for t in tensors})
+        parameters = [p for o in torch_optimizers for group in o.param_groups for p in group["params"]]
+        state = [t for o in torch_optimizers for values in o.state.values() for t in values.values()
+                 if isinstance(t, torch.Tensor)]
+        return _Stepped(torch_optimizers, {_storage_of(t) for t in parameters + state})
 
     def writes(self, tensor: torch.Tensor) -> bool:
         return _storage_of(tensor) in self.storages
