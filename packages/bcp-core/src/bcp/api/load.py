@@ -58,6 +58,7 @@ def load(path: "str | os.PathLike | Storage | CheckpointTarget", state: dict[str
     """
     options = (options or LoadOptions()).merged(keywords)
     check_keys(state)
+    runtime().background.snapshots.wait()  # an overlapped save's copy may still read what this load writes
     return load_wanted(path, lambda checkpoint, result: _StateWanted.of(state, checkpoint, result, options),
                        options)
 

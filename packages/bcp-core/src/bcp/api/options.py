@@ -72,6 +72,12 @@ class SaveOptions(_CommonOptions):
     interpreter lock; at most 2 files at once, at a low priority); or ``"threads"``, ``io_threads``
     threads of the training process at a lower priority. Storages another process cannot reach
     (``memory://``, S3) and platforms without shared memory by descriptor (not Linux) use threads."""
+    overlap: bool = False
+    """With ``async_save``: return before the parameters that the state's optimizers step, and their
+    state, are copied to host memory; the copy overlaps the next forward and backward, and those
+    optimizers wait for it before they step (code that writes them otherwise calls
+    ``handle.wait_snapshot()`` first). The snapshot is still the state at the call
+    (``docs/guarantees.md``)."""
     verify_replicas: bool = False
     """Check, by checksum, that replicated tensors agree across ranks."""
     keep_generations: int = DEFAULT_KEEP_GENERATIONS

@@ -10,6 +10,7 @@ from bcp.api.phase_stats import PhaseStats
 
 if TYPE_CHECKING:
     from bcp.api.metrics import Monitor, OpRecord
+    from bcp.engine.snapshot_copy import SnapshotCopy
 
 __all__ = ["LoadResult", "PhaseStats", "SaveHandle"]
 
@@ -18,13 +19,14 @@ class SaveHandle:
     """A save in progress or done. ``wait()`` returns once the checkpoint is committed."""
 
     def __init__(self, path: str, generation: int, stats: PhaseStats, future: "Future | None" = None,
-                 monitor: "Monitor | None" = None) -> None:
+                 monitor: "Monitor | None" = None, snapshot: "SnapshotCopy | None" = None) -> None:
         self.path = path
         self.generation = generation
         #: Per-phase seconds and bytes written by this rank; complete once ``wait()`` returned.
         self.stats = stats
         self._future = future
         self._monitor = monitor
+        self._snapshot = snapshot
 
     @property
     def metrics(self) -> "OpRecord | None":
@@ -37,6 +39,16 @@ class SaveHandle:
         committed when ``save`` returns."""
         if self._future is not None:
             self._future.result(timeout)
+
+    def wait_snapshot(self) -> None:
+        """Block until the save's copy of the state is complete, so that the state may change: at
+        once unless the save overlaps its copy with training (``overlap``). The state's optimizers
+        wait for it themselves; code that writes parameters or optimizer state otherwise (an
+        in-place update outside ``optimizer.step()``, a weight tie, EMA into the model) calls it
+        first, on the training thread. A failed copy is raised by ``wait()``, not here."""
+        if self._snapshot is not None:
+            self._snapshot.wait()
+            self._snapshot.remove_hooks()
 
     def done(self) -> bool:
         return self._future is None or self._future.done()

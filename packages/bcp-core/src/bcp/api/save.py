@@ -34,7 +34,8 @@ from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import crc_of
 from bcp.engine.chunked_copies import ChunkedCopies
 from bcp.engine.location import Location
-from bcp.engine.staging import stage, staged_nbytes
+from bcp.engine.snapshot_copy import SnapshotCopy
+from bcp.engine.staging import copy_in, place, staged_nbytes
 from bcp.engine.writer import GenerationWriter, InProcess
 from bcp.engine.writer_process import storage_for_process
 from bcp.errors import CheckpointError
@@ -66,7 +67,9 @@ def save(path: "str | os.PathLike | Storage | CheckpointTarget", state: Mapping[
     a :class:`bcp.MemoryTier` (node memory, replicated to peers, persisted every k-th save).
     ``options`` (:class:`SaveOptions`), or its fields as keywords: ``async_save`` returns once the
     state is copied to host memory and the handle's ``wait()`` returns when it is committed (and
-    raises if it failed); ``allow_pickle`` lets values outside the safe encoding be pickled (the
+    raises if it failed); with ``overlap`` too it returns before the parameters and optimizer state
+    are copied, which the next step's forward and backward overlap (``SaveOptions.overlap``);
+    ``allow_pickle`` lets values outside the safe encoding be pickled (the
     checkpoint is then marked unsafe); ``verify_replicas`` checks, by checksum, that replicated
     tensors agree across ranks; ``framework``, ``role``, ``coordinator``, ``io_threads``.
     """
@@ -91,6 +94,10 @@ def save_at(path: Any, locate: Callable[[], Location], state: Mapping[str, Any],
     check_keys(state)
     if options.async_writer not in ("process", "threads"):
         raise CheckpointError(f"async_writer must be 'process' or 'threads', not {options.async_writer!r}")
+    if options.overlap and not options.async_save:
+        raise CheckpointError("overlap=True overlaps an asynchronous save's copy with training: pass async_save=True "
+                              "too", path=str(path))
+    runtime().background.snapshots.wait()  # an overlapped save's copy may still read the tensors
     coord = as_coordinator(options.coordinator)
     stats = PhaseStats()
     monitor = Monitor("save", coord.rank, coord.world_size, stats, options.topology, options.metrics_log,
@@ -105,6 +112,7 @@ def save_at(path: Any, locate: Callable[[], Location], state: Mapping[str, Any],
 
 def wait_pending_saves() -> None:
     """Block until every asynchronous save of this process has committed or failed."""
+    runtime().background.snapshots.wait()
     runtime().background.wait_pending()
 
 
@@ -117,7 +125,9 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
     epoch = rt.reuse.epoch  # before the tensors are seen: a load from now on makes this save's view stale
     place = (location.target, coord.cache_key())  # the path and group, as the reuse memory knows them
     with stats.phase("collect"):
-        collected = Outcome.of(lambda: _collect(state, options, location.display))
+        outcome = Outcome.of(lambda: _collect(state, options, location.display))
+    collected = Outcome(outcome.value and outcome.value[0], outcome.error)
+    stepped = outcome.value[1] if outcome.value else None  # with overlap: what the optimizers write
     with stats.phase("plan"):
         with stats.phase("plan.exchange"):
             agreed = agree_on_plan(coord, location, place, collected, rt, not options.verify_replicas,
@@ -133,16 +143,16 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
         commit(coord, writer, write_share(coord.rank, writer, writes.pieces, writes.values, stats, monitor=monitor,
                                           on_report=writes.on_report), writes.manifest_of, stats, monitor)
         return SaveHandle(location.display, agreed.generation, stats, monitor=monitor)
+    label = f"{location.display} (generation {agreed.generation})"
     with stats.phase("stage"):  # everything the training thread does before it gets control back
-        staged = _Staged.of(coord, writes, tensors, copies, rt)
+        staged = _Staged.of(coord, writes, tensors, copies, rt, stepped, label)
     writer = GenerationWriter(location, agreed.generation, threads=options.io_threads, background=True,
                               abandon=rt.background.abandon, in_process=_in_process(rt, location, staged.buffer, options))
     monitor.returned()  # the caller gets control back: the blocking time ends here
     background = _BackgroundSave(staged, writer, writes.manifest_of, writes.on_report, rt, stats, monitor, commit,
                                  stats.now())
-    job = rt.background.submit(background.write, background.commit,
-                               label=f"{location.display} (generation {agreed.generation})")
-    return SaveHandle(location.display, agreed.generation, stats, job, monitor)
+    job = rt.background.submit(background.write, background.commit, label=label)
+    return SaveHandle(location.display, agreed.generation, stats, job, monitor, staged.snapshot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,30 +203,77 @@ class _Remembering:
 
 
 @dataclass(frozen=True, slots=True)
+class _Stepped:
+    """What the optimizers of a state write, which an overlapped save copies while training goes on
+    (they wait for the copy before they step): the optimizers, and the storages of the parameters
+    they step and of their state. Whatever else the state holds is copied at the call: no hook
+    makes its writers wait (a parameter no optimizer of the state steps, for one)."""
+
+    optimizers: list[torch.optim.Optimizer]
+    storages: set[tuple[torch.device, int]]
+
+    @staticmethod
+    def of(optimizers: list[Any]) -> "_Stepped":
+        torch_optimizers = [o for o in optimizers if isinstance(o, torch.optim.Optimizer)]
+        parameters = [p for o in torch_optimizers for group in o.param_groups for p in group["params"]]
+        state = [t for o in torch_optimizers for values in o.state.values() for t in values.values()
+                 if isinstance(t, torch.Tensor)]
+        return _Stepped(torch_optimizers, {_storage_of(t) for t in parameters + state})
+
+    def writes(self, tensor: torch.Tensor) -> bool:
+        return _storage_of(tensor) in self.storages
+
+
+def _storage_of(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
+    return local.device, local.untyped_storage().data_ptr()
+
+
+@dataclass(frozen=True, slots=True)
 class _Staged:
     """An asynchronous save's writes in host memory: the pieces staged in ``buffer`` (page-locked
     for ``copied_from``, the device it took copies from, if any), the values snapshot (the state
-    may change once save returns), and the sibling coordinator its commit runs with."""
+    may change once save returns), the sibling coordinator its commit runs with, and (an
+    overlapped save) the copy still filling the buffer with what the optimizers write."""
 
     coord: Coordinator
     pieces: list[PieceWrite]
     values: list[ValueWrite]
     buffer: Any
     copied_from: torch.device | None
+    snapshot: SnapshotCopy | None
 
     @staticmethod
     def of(coord: Coordinator, writes: _RankWrites, tensors: list[torch.Tensor], copies: ChunkedCopies,
-           rt: Runtime) -> "_Staged":
+           rt: Runtime, stepped: _Stepped | None, label: str) -> "_Staged":
         background_coord = coord.sibling()  # collective: before the background thread needs it
         values = [value.snapshot() for value in writes.values]
         buffer = rt.buffers.acquire(staged_nbytes(writes.pieces))
         try:
-            pieces = stage(writes.pieces, buffer, copies)
+            pieces, pairs = place(writes.pieces, buffer)
+            stepped_by = [stepped is not None and stepped.writes(tensor) for _, tensor in pairs]
+            copy_in([pair for pair, by_optimizer in zip(pairs, stepped_by) if not by_optimizer], copies)
+            later = [pair for pair, by_optimizer in zip(pairs, stepped_by) if by_optimizer]
+            snapshot = SnapshotCopy(later, copies, stepped.optimizers, label) if later else None
         except BaseException:
             rt.buffers.release(buffer)
             raise
+        if snapshot is not None:
+            rt.background.snapshots.add(snapshot)
         return _Staged(background_coord, pieces, values, buffer,
-                       next((tensor.device for tensor in tensors if copies.holds(tensor)), None))
+                       next((tensor.device for tensor in tensors if copies.holds(tensor)), None), snapshot)
+
+    def copy_failure(self) -> CheckpointError | None:
+        """Once an overlapped copy is done (waiting for it): its error, if it failed."""
+        if self.snapshot is None:
+            return None
+        self.snapshot.wait()
+        error = self.snapshot.error()
+        if error is None:
+            return None
+        failure = CheckpointError(f"copying the parameters and optimizer state to host memory failed: {error!r}")
+        failure.__cause__ = error
+        return failure
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +296,9 @@ class _BackgroundSave:
         self.stats.add("queue", self.handed_over, self.stats.now())
         staged = self.staged
         try:
+            failure = staged.copy_failure()  # an overlapped copy: the write starts once it is done
+            if failure is not None:  # reported to every rank by the commit barrier
+                return Outcome(error=failure)
             return write_share(staged.coord.rank, self.writer, staged.pieces, staged.values, self.stats,
                                monitor=self.monitor, on_report=self.on_report)
         finally:  # durable: the next save may stage into it, whatever the barrier does
@@ -265,16 +325,17 @@ def _in_process(rt: Runtime, location: Location, buffer: Any, options: SaveOptio
     return InProcess(process, storage, shared, rt.buffers.shared_ids())
 
 
-def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> Collected:
+def _collect(state: Mapping[str, Any], options: SaveOptions, path: str) -> tuple[Collected, _Stepped | None]:
     """The adapter's view of the state: pieces of the resharded components' tensors, and every other
-    value encoded (and copied, so an asynchronous save is unaffected by later changes)."""
+    value encoded (and copied, so an asynchronous save is unaffected by later changes); with
+    ``overlap``, what the state's optimizers write too."""
     try:
         return _collected(state, options)
     except CheckpointError as exc:
         raise exc.at(path)
 
 
-def _collected(state: Mapping[str, Any], options: SaveOptions) -> Collected:
+def _collected(state: Mapping[str, Any], options: SaveOptions) -> tuple[Collected, _Stepped | None]:
     collected = collect(state, options.framework, for_load=False)
     tensors: list[tuple[str, Any, tuple[int, ...]]] = []
     pieces: list[Piece] = []
@@ -301,8 +362,11 @@ def _collected(state: Mapping[str, Any], options: SaveOptions) -> Collected:
     frozen = FrozenParameters.of(bound.obj for _, parts in collected.modules for bound in parts
                                  if isinstance(bound.obj, nn.Module)) if options.incremental and options.trust_frozen \
         else None
+    stepped = _Stepped.of([bound.obj for _, parts in collected.optimizers for bound in parts]) if options.overlap \
+        else None
     return Collected(tensors, planned, values, plain, options.verify_replicas, structure_key(declared, pieces),
-                     collected.framework, loader.declaration() if isinstance(loader, DataloaderState) else None, frozen)
+                     collected.framework, loader.declaration() if isinstance(loader, DataloaderState) else None,
+                     frozen), stepped
 
 
 def _base_boxes(coord: Coordinator, location: Location, rt: Runtime, place: Any, base: Base,

@@ -18,6 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 from bcp.engine import priority
+from bcp.engine.snapshot_copy import PendingSnapshots
 from bcp.engine.writer_process import WriterProcess
 
 
@@ -31,6 +32,8 @@ class BackgroundLane:
         #: Set to abandon every save not yet committed: their writers stop (see GenerationWriter).
         self.abandon = threading.Event()
         self._process: WriterProcess | None = None
+        #: The overlapped snapshot copies of the saves (``snapshot_copy``): their writes wait for them.
+        self.snapshots = PendingSnapshots()
 
     def writer_process(self) -> WriterProcess:
         """The running writer process, started now if there is none, if the last one died, or if

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Sequence
 
 import torch
 
-from bcp.engine.chunked_copies import ChunkedCopies
+from bcp.engine.chunked_copies import ChunkedCopies, Pair
 from bcp.engine.device_copies import Accelerator
 from bcp.engine.shared_memory import SharedHostBuffer
 from bcp.layout.write_plan import PieceWrite
@@ -159,16 +160,30 @@ class HostBufferPool:
 
 def stage(writes: list[PieceWrite], buffer: torch.Tensor, copies: ChunkedCopies) -> list[PieceWrite]:
     """Copy each write's tensor into ``buffer``; the returned writes read from the copies."""
-    staged, offset, from_device = [], 0, []
+    staged, pairs = place(writes, buffer)
+    copy_in(pairs, copies)
+    return staged
+
+
+def place(writes: list[PieceWrite], buffer: torch.Tensor) -> tuple[list[PieceWrite], list[Pair]]:
+    """Lay the writes out in ``buffer``: the writes reading from their places there, and the
+    ``(place, tensor)`` pairs that :func:`copy_in` fills, in the writes' order."""
+    staged, pairs, offset = [], [], 0
     for write in writes:
         t = write.tensor()
-        nbytes = write.nbytes
-        view = buffer[offset: offset + nbytes].view(t.dtype).view(t.shape)
+        view = buffer[offset: offset + write.nbytes].view(t.dtype).view(t.shape)
+        pairs.append((view, t))
+        staged.append(PieceWrite(write.index, write.part, view, write.nbytes, write.crcs))
+        offset += _aligned(write.nbytes)
+    return staged, pairs
+
+
+def copy_in(pairs: Sequence[Pair], copies: ChunkedCopies) -> None:
+    """Copy each pair's tensor into its place: host tensors here, device tensors through ``copies``."""
+    from_device = []
+    for view, t in pairs:
         if copies.holds(t):
             from_device.append((view, t))
         else:
             view.copy_(t)
-        staged.append(PieceWrite(write.index, write.part, view, nbytes, write.crcs))
-        offset += _aligned(nbytes)
     copies.to_host(from_device)
-    return staged
