@@ -95,12 +95,14 @@ def trainer(output_dir: str, recorder: Recorder, **arguments: Any) -> Trainer:
 
 
 def fit(output_dir: str, engine_name: str | None = "bcp", resume: "str | bool | None" = None,
-        arguments: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One run of ``Trainer.train`` with ``TrainingArguments`` overridden by ``arguments``; returns
-    what it observed on this rank."""
+        arguments: dict[str, Any] | None = None, enabled: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One run of ``Trainer.train`` with ``TrainingArguments`` overridden by ``arguments`` and, with
+    ``enabled``, ``bcp_transformers.enable(trainer, **enabled)``; returns what it observed on this rank."""
     recorder = Recorder()
     with engine(engine_name):
         built = trainer(output_dir, recorder, **(arguments or {}))
+        if enabled is not None:
+            bcp_transformers.enable(built, **enabled)
         built.train(resume_from_checkpoint=resume)
         return {"seen": recorder.seen, "losses": recorder.losses, "at_start": recorder.at_start,
                 "at_save": recorder.at_save, "end": snapshot(built)}
