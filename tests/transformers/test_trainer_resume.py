@@ -9,7 +9,7 @@ import os
 import pytest
 from transformers.trainer_utils import get_last_checkpoint
 
-from trainer_helpers import SAMPLES, SAVED_AT, assert_same_state, fit
+from trainer_helpers import SAMPLES, SAVED_AT, assert_same_state, assert_same_weights, fit
 
 TRAINED_BEFORE_SAVE = SAVED_AT * 4  # batches of 4 on each process
 
@@ -70,3 +70,13 @@ def test_a_checkpoint_of_the_trainers_own_engine_resumes_on_as_many_processes(ra
     assert resumed[0]["end"]["step"] == 2 * SAVED_AT
     with pytest.raises(AssertionError, match="resume it on 2 processes, or set ignore_data_skip=True"):
         ranks(1).run(fit, str(tmp_path / "elsewhere"), "bcp", checkpoint)
+
+
+def test_load_best_model_at_end_loads_the_best_bcp_checkpoint(ranks, tmp_path):
+    # The highest evaluation loss is "best" here, so that the best step is an early one, not the last.
+    arguments = {"eval_strategy": "steps", "eval_steps": 3, "save_steps": 3, "load_best_model_at_end": True,
+                 "metric_for_best_model": "loss", "greater_is_better": True}
+    run = ranks(2).run(fit, str(tmp_path), "bcp", None, arguments)
+    best = run[0]["best_step"]
+    assert best < 12
+    assert_same_weights(run[0]["end"]["model"], run[0]["at_save"][best]["model"])

@@ -85,11 +85,12 @@ def engine(name: str | None) -> Iterator[None]:
 
 
 def trainer(output_dir: str, recorder: Recorder, **arguments: Any) -> Trainer:
-    args = TrainingArguments(output_dir=output_dir, per_device_train_batch_size=BATCH, num_train_epochs=1,
-                             save_strategy="steps", save_steps=SAVED_AT, logging_steps=1, seed=0, use_cpu=True,
-                             report_to=[], disable_tqdm=True, dataloader_num_workers=0, remove_unused_columns=False, **arguments)
-    built = Trainer(model=tiny_gpt2(), args=args, train_dataset=Numbered(), data_collator=recorder.collate,
-                    callbacks=[recorder])
+    defaults = {"per_device_train_batch_size": BATCH, "num_train_epochs": 1, "save_strategy": "steps",
+                "save_steps": SAVED_AT, "logging_steps": 1, "seed": 0, "use_cpu": True, "report_to": [],
+                "disable_tqdm": True, "dataloader_num_workers": 0, "remove_unused_columns": False}
+    args = TrainingArguments(output_dir=output_dir, **{**defaults, **arguments})
+    built = Trainer(model=tiny_gpt2(), args=args, train_dataset=Numbered(), eval_dataset=Numbered(),
+                    data_collator=recorder.collate, callbacks=[recorder])
     recorder.trainer = built
     return built
 
@@ -105,7 +106,8 @@ def fit(output_dir: str, engine_name: str | None = "bcp", resume: "str | bool | 
             bcp_transformers.enable(built, **enabled)
         built.train(resume_from_checkpoint=resume)
         return {"seen": recorder.seen, "losses": recorder.losses, "at_start": recorder.at_start,
-                "at_save": recorder.at_save, "end": snapshot(built)}
+                "at_save": recorder.at_save, "end": snapshot(built),
+                "best_step": built.state.best_global_step}
 
 
 def snapshot(built: Trainer) -> dict[str, Any]:
@@ -125,10 +127,14 @@ def snapshot(built: Trainer) -> dict[str, Any]:
 def assert_same_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
     assert actual["step"] == expected["step"]
     assert actual["scheduler"] == expected["scheduler"]
-    assert actual["model"].keys() == expected["model"].keys()
-    for name, tensor in expected["model"].items():
-        assert torch.equal(actual["model"][name], tensor), name
+    assert_same_weights(actual["model"], expected["model"])
     assert actual["optimizer"].keys() == expected["optimizer"].keys()
     for name, state in expected["optimizer"].items():
         for key, value in state.items():
             assert torch.equal(torch.as_tensor(actual["optimizer"][name][key]), torch.as_tensor(value)), (name, key)
+
+
+def assert_same_weights(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
