@@ -11,7 +11,10 @@ import os
 from typing import Any, Iterator
 
 import torch
-from accelerate.state import AcceleratorState, GradientState
+from accelerate import FullyShardedDataParallelPlugin
+from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 import bcp_transformers
@@ -102,6 +105,8 @@ def fit(output_dir: str, engine_name: str | None = "bcp", resume: "str | bool | 
     recorder = Recorder()
     with engine(engine_name):
         built = trainer(output_dir, recorder, **(arguments or {}))
+        if (arguments or {}).get("fsdp"):
+            on_fsdp2(built)
         if enabled is not None:
             bcp_transformers.enable(built, **enabled)
         built.train(resume_from_checkpoint=resume)
@@ -110,18 +115,35 @@ def fit(output_dir: str, engine_name: str | None = "bcp", resume: "str | bool | 
                 "best_step": built.state.best_global_step}
 
 
+def on_fsdp2(built: Trainer) -> None:
+    """The trainer's accelerator set to FSDP2. Accelerate selects FSDP only on GPUs and other
+    accelerators; on the CPU it falls back to DDP. Setting the distributed type its launcher sets
+    there lets accelerate's own FSDP2 preparation (``fully_shard``, the optimizer's parameter swap)
+    and the Trainer's FSDP code paths run on gloo."""
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    PartialState().distributed_type = DistributedType.FSDP
+    built.accelerator.state.distributed_type = DistributedType.FSDP
+    built.accelerator.state.fsdp_plugin = plugin
+    built.is_fsdp_enabled = True
+
+
 def snapshot(built: Trainer) -> dict[str, Any]:
     """Copies of the weights, optimizer state, scheduler state and step, comparable bitwise."""
     optimizer = getattr(built.optimizer, "optimizer", built.optimizer)
     names = {id(p): name for name, p in built.model.named_parameters()}
     return {
         "step": built.state.global_step,
-        "model": {k: v.detach().clone() for k, v in built.model.state_dict().items()},
+        "model": {k: whole(v.detach()) for k, v in built.model.state_dict().items()},
         "optimizer": {} if optimizer is None else
-        {names[id(p)]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+        {names[id(p)]: {k: whole(v) if torch.is_tensor(v) else v for k, v in s.items()}
          for p, s in optimizer.state.items()},
         "scheduler": None if built.lr_scheduler is None else built.lr_scheduler.state_dict(),
     }
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole tensor, gathered where it is a sharded DTensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.clone()
 
 
 def assert_same_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
