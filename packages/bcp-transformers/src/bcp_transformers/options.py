@@ -16,8 +16,6 @@ class CheckpointOptions:
     #: The training loop continues once the state is copied to host memory; the save commits in the
     #: background, and the next save, or the end of ``train``, waits for it.
     async_save: bool = False
-    #: A folder saved again (the same step) gets only the tensors that changed written.
-    incremental: bool = False
     #: Also write the Trainer's own model files (``config.json``, ``model.safetensors``) into each
     #: folder, for ``from_pretrained`` without ``bcp export``: a second, synchronous write of the model.
     save_model_files: bool = False
