@@ -104,7 +104,7 @@ def state_to_save(trainer: Trainer) -> dict[str, Any]:
     args = trainer.args
     epoch, batches_in_epoch = getattr(trainer, _EPOCH, (0, 0))
     position = positions.at_save(epoch, trainer.state.epoch or 0.0, batches_in_epoch, args.world_size,
-                                 trainer._train_batch_size)
+                                 batch_per_process(trainer))
     state: dict[str, Any] = {"model": trainer.model}
     if not args.save_only_model:
         if trainer.optimizer is not None:
@@ -116,6 +116,14 @@ def state_to_save(trainer: Trainer) -> dict[str, Any]:
         state["rng"] = rng.capture()
     state[RECORD] = {"position": position.as_value(), "world_size": args.world_size, "components": sorted(state)}
     return state
+
+
+def batch_per_process(trainer: Trainer) -> int:
+    """The batch each process loads: the arguments' (with DataParallel's GPUs), or, where
+    ``auto_find_batch_size`` may have lowered it, the one the Trainer's state records."""
+    if trainer.args.auto_find_batch_size and trainer.state.train_batch_size:
+        return trainer.state.train_batch_size
+    return trainer.args.train_batch_size
 
 
 def torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -142,7 +150,7 @@ def init_training_state(original: Callable[..., Any], trainer: Trainer, max_step
     if args.ignore_data_skip:
         skipped = 0
     else:
-        skipped = positions.batches_to_skip(position, args.world_size, trainer._train_batch_size, accumulation,
+        skipped = positions.batches_to_skip(position, args.world_size, batch_per_process(trainer), accumulation,
                                             resume_from_checkpoint)
     if args.max_steps <= 0:
         remaining = (num_train_epochs - position.epoch) * num_update_steps_per_epoch - skipped // accumulation

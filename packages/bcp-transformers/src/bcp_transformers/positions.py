@@ -48,8 +48,8 @@ def batches_to_skip(position: Position, processes: int, batch_size: int, accumul
     per_step = processes * batch_size * accumulation
     if position.samples % per_step:
         raise CheckpointError(
-            f"the checkpoint was saved after {position.samples} samples of epoch {position.epoch}, which is not a whole "
-            f"number of optimizer steps of {per_step} samples ({processes} processes x batch {batch_size} x "
+            f"the checkpoint was saved after {position.samples} samples of epoch {position.epoch}, which is not a "
+            f"whole number of optimizer steps of {per_step} samples ({processes} processes x batch {batch_size} x "
             f"{accumulation} accumulation steps): resume on a number of processes that divides it, or set "
             "ignore_data_skip=True to start the epoch over", path=checkpoint)
     return position.samples // (processes * batch_size)
