@@ -13,9 +13,10 @@ import functools
 import os
 from typing import Any, Callable
 
+import transformers
 from transformers import Trainer
 
-from bcp import CheckpointError
+from bcp import AdapterError, CheckpointError
 from bcp_transformers import engine
 from bcp_transformers.options import CheckpointOptions, set_options
 
@@ -27,7 +28,8 @@ ENGINES = ("bcp", "transformers")
 
 _OPTED_IN = "_bcp_checkpoint_engine"
 _DISPATCHES = "_bcp_dispatches"
-#: The Trainer's methods that the switch routes, and what runs in their place through bcp.
+#: The Trainer's methods that the switch routes (most of them private: the Trainer has no public
+#: checkpoint hooks), and what runs in their place through bcp.
 _ROUTED: dict[str, Callable[..., Any]] = {
     "train": engine.train,
     "_run_epoch": engine.run_epoch,
@@ -79,6 +81,11 @@ def uses_bcp(trainer: Trainer) -> bool:
 def install() -> None:
     """Let ``transformers.Trainer``'s checkpoint methods consult :func:`uses_bcp` on each call
     (idempotent). While it says no, the Trainer's own methods run, unchanged."""
+    missing = [name for name in _ROUTED if not callable(getattr(Trainer, name, None))]
+    if missing:
+        raise AdapterError(f"transformers {transformers.__version__}'s Trainer has no {', '.join(missing)}: "
+                           "bcp-transformers routes those checkpoint methods and was tested with transformers 5.24; "
+                           f"unset {ENGINE_VARIABLE} to use the Trainer's own engine")
     for name, through_bcp in _ROUTED.items():
         original = getattr(Trainer, name)
         if not getattr(original, _DISPATCHES, False):
