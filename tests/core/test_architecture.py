@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "packages" / "bcp-core" / "src"
-INTEGRATIONS = [ROOT / "packages" / name / "src" for name in ("bcp-megatron", "bcp-lightning", "bcp-accelerate")]
+INTEGRATIONS = [ROOT / "packages" / f"bcp-{n}" / "src" for n in ("megatron", "lightning", "accelerate", "transformers")]
 PUBLIC = {"bcp", "bcp.integration"}
 
 # Lowest first. A module may import its own layer's modules and those of strictly lower layers;
