@@ -20,7 +20,7 @@ from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.components import PLACED, SKIP, StateValues, check_keys, collect
 from bcp.api.gc_pause import paused_gc
 from bcp.api.metrics import Monitor
-from bcp.api.names import NameMatch, match_names, unexpected_across_ranks, unexpected_error
+from bcp.api.names import NameMatch, match_names, unexpected_error, unloaded_across_ranks
 from bcp.api.options import LoadOptions
 from bcp.api.per_rank import warn_world_change, world_change
 from bcp.api.results import LoadResult, PhaseStats
@@ -338,15 +338,13 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
 
 def _agree_on_reading(coord: Coordinator, planned: Outcome, read: Outcome, checkpoint: Checkpoint,
                       result: LoadResult, strict: bool) -> None:
-    """Collective: every rank read and verified its share, and every saved name of a requested
-    component is wanted by some rank (asked only when a rank has names left over)."""
-    names = planned.value.wanted.left_over() if read.error is None else None
-    left_over = Outcome(bool(names and names.left_over) if read.error is None else None, read.error)
-    if any(all_agree(coord, left_over, f"loading {checkpoint.path}")):
-        result.unexpected = unexpected_across_ranks(coord, Outcome.of(lambda: planned.value.wanted.left_over()),
-                                                    checkpoint)
-        if strict and result.unexpected:
-            raise unexpected_error(result.unexpected, checkpoint)
+    """Collective: every rank read and verified its share; the saved names no rank loads are the
+    result's ``unexpected``, and ``strict`` refuses those of a component some rank asked for."""
+    match = read if read.error is not None else Outcome.of(lambda: planned.value.wanted.left_over())
+    unloaded = unloaded_across_ranks(coord, match, checkpoint)
+    result.unexpected = unloaded.every
+    if strict and unloaded.in_requested:
+        raise unexpected_error(unloaded.in_requested, checkpoint)
 
 
 def _apply(plan: _Plan, loaded: dict[str, Any]) -> None:
