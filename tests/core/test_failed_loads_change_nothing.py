@@ -3,7 +3,8 @@ options (``optimizer_cases.py``), never stepped and trained, each way a load fai
 the checkpoint lacks, a tensor of another shape, of another dtype, a flipped byte found by its
 checksum, a missing data file) leaves the optimizer's ``state_dict()`` (deep, every tensor byte)
 and the model (parameters, buffers, gradients) exactly as they were. A load with ``strict=False``
-from a checkpoint without the optimizer loads the model and leaves the optimizer as it was.
+from a checkpoint without the optimizer loads the model and leaves the optimizer as it was. The
+same failures leave a scheduler, a plain dict, a ``Stateful`` object and a per-rank value as they were.
 
 Guards a past defect: the optimizer's state was created (by a step at a zero learning rate) while
 the load planned, before the names were matched, and a load that then failed left a never-stepped
@@ -144,3 +145,49 @@ def test_a_never_stepped_adamw_keeps_no_state_after_a_typo(tmp_path):
     with pytest.raises(bcp.MismatchError, match="optimiser"):
         bcp.load(tmp_path, {"model": fresh, "optimiser": fresh_optimizer})
     assert fresh_optimizer.state_dict()["state"] == {}
+
+
+class Counter:
+    """A ``Stateful`` object of the user's."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = state["count"]
+
+
+def _every_kind(seed: int) -> dict[str, Any]:
+    """A model, its AdamW, a scheduler, a plain dict, a Stateful object and a per-rank value."""
+    model, optimizer = build(next(c for c in optimizer_cases() if c.id == "AdamW"), "plain", seed=seed)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    train(model, optimizer, range(seed))
+    for _ in range(seed):
+        scheduler.step()
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "extra": torch.full((6,), float(seed)),
+            "progress": {"step": seed, "history": [seed] * 3}, "counter": Counter(seed), "seed": seed}
+
+
+def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    return copy.deepcopy({"model": live_state(state["model"]), "optimizer": state["optimizer"].state_dict(),
+                          "scheduler": state["scheduler"].state_dict(), "extra": state["extra"],
+                          "progress": state["progress"], "counter": state["counter"].count, "seed": state["seed"]})
+
+
+@pytest.mark.parametrize("failure", FAILURES)
+def test_schedulers_dicts_statefuls_and_per_rank_values_stay_as_they_were(tmp_path, failure):
+    bcp.save(tmp_path, {**_every_kind(seed=3), "extra": EXTRA})
+    state = _every_kind(seed=1)
+    if failure == "name":
+        state["optimiser"] = state.pop("optimizer")
+    elif failure in ("shape", "dtype"):
+        state["extra"] = torch.zeros(7) if failure == "shape" else torch.zeros(6, dtype=torch.float64)
+    live = {**state, "optimizer": state.get("optimizer", state.get("optimiser"))}
+    before = _snapshot(live)
+    with _damaged(tmp_path, failure), pytest.raises(bcp.CheckpointError):
+        bcp.load(tmp_path, state)
+    assert not differences(before, _snapshot(live))
+    assert state["scheduler"].optimizer is live["optimizer"]
