@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -134,3 +135,40 @@ def test_a_second_ctrl_c_to_the_process_group_abandons_the_save_and_leaves_nothi
     assert _latest(path) == (2, 2.0)
     assert out.count("Traceback (most recent call last)") == 2, out
     assert all(gone(pid) for pid in writers)
+
+
+def _truthful(out: str, path: str) -> None:
+    """What each rank said became of generation 3 is what the disk holds; no traceback but each
+    rank's KeyboardInterrupt."""
+    committed = re.findall(r"bcp: .*committed 1 asynchronous save\(s\)", out)
+    abandoned = re.findall(r"bcp: .*abandoned 1 asynchronous save\(s\): .*their uncommitted files were removed", out)
+    assert len(committed) + len(abandoned) <= 2 and not (committed and abandoned), out
+    if committed:
+        assert _latest(path) == (3, 3.0), out
+    else:
+        assert "gen-00000003" not in os.listdir(path) and _latest(path) == (2, 2.0), out
+    assert out.count("Traceback (most recent call last)") == 2, out
+
+
+def test_a_second_ctrl_c_right_after_the_commit_says_the_save_committed(job, tmp_path):
+    path = str(tmp_path / "ckpt")
+    writers = _stopped_writers(job)
+    job.ctrl_c()
+    job.wait_for(r"bcp: waiting for 1 asynchronous save\(s\) to commit", 2)
+    _go_on(writers)
+    marker = os.path.join(path, "gen-00000003", "COMMITTED")
+    while not os.path.exists(marker) and job.proc.poll() is None:
+        time.sleep(0.001)
+    job.ctrl_c()  # the second, once generation 3 is committed
+    out = job.finish()
+    assert "abandoned" not in out, out
+    _truthful(out, path)
+
+
+def test_two_ctrl_cs_50_ms_apart_exit_without_a_traceback_from_bcp(job, tmp_path):
+    writers = _stopped_writers(job)
+    job.ctrl_c()
+    time.sleep(0.05)
+    job.ctrl_c()
+    _go_on(writers)
+    _truthful(job.finish(), str(tmp_path / "ckpt"))

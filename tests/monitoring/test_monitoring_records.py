@@ -202,3 +202,13 @@ bcp.save({str(tmp_path / 'c')!r}, state, metrics_log=False)                  # t
     assert len(lines) == 2, done.stderr
     assert lines[0].startswith(f"bcp save {tmp_path / 'b'} generation 1: ")
     assert lines[1].startswith(f"CONFIGURED bcp save {tmp_path / 'c'} generation 1: ")
+
+
+def test_the_report_table_stays_aligned_with_long_phase_names(tmp_path):
+    """A real save's phases include ``plan.exchange`` (13 characters), which once pushed its row one
+    column to the right of the others."""
+    bcp.save(tmp_path, {"model": {"w": torch.ones(4)}})
+    text = report(next((tmp_path / METRICS_DIR).glob("*.jsonl"))).format()
+    table = [line for line in text.splitlines() if re.match(r"  \S+ +\d+ +[\d.]+ ", line) or "median s" in line]
+    assert any(line.split()[0] == "plan.exchange" for line in table), text
+    assert len({line.index(line.split()[1]) + len(line.split()[1]) for line in table}) == 1, text  # "ranks" ends alike

@@ -43,11 +43,10 @@ def optimizer_values(model: Any, optimizer: Any, *, for_load: bool) -> dict[str,
         raise AdapterError(f"'optimizer' must be a torch.optim.Optimizer or an FQN-keyed state dict, "
                            f"got {type(optimizer).__name__}")
     names = _param_names(model)
-    if for_load:
-        initialize_state(optimizer)
+    state = state_to_load_into(optimizer) if for_load else optimizer.state
     group_names = [_group_names(names, g[_PARAMS], i) for i, g in enumerate(optimizer.param_groups)]
-    per_param = {fqn: optimizer.state[param] for group, fqns in zip(optimizer.param_groups, group_names)
-                 for param, fqn in zip(group[_PARAMS], fqns) if param in optimizer.state}
+    per_param = {fqn: state[param] for group, fqns in zip(optimizer.param_groups, group_names)
+                 for param, fqn in zip(group[_PARAMS], fqns) if param in state}
     groups = [{**{k: v for k, v in g.items() if k != _PARAMS}, _PARAMS: fqns}
               for g, fqns in zip(optimizer.param_groups, group_names)]
     return _flat(per_param, groups, for_load=for_load)
@@ -158,29 +157,55 @@ def placed(param: torch.Tensor, group: Mapping[str, Any], key: str, value: Any) 
 
 
 def initialize_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create missing per-parameter state by one step with zero gradients and a zero learning rate,
-    so a never-stepped optimizer has tensors to load into. Parameters do not change: every update
-    is scaled by the learning rate; other parameters' gradients are set aside for the step."""
+    """Give every parameter without state the state one step would create (:func:`created_state`),
+    so a never-stepped optimizer has tensors to load into."""
+    optimizer.state.update(created_state(optimizer))
+
+
+def state_to_load_into(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dict[str, Any]]:
+    """Each parameter's state for a load to fill: its live state where it has some, else the state one
+    step would create for it (:func:`created_state`). The live optimizer is not changed: a load
+    that fails leaves it as it was, and one that succeeds replaces its state with what it loaded."""
+    return {**optimizer.state, **created_state(optimizer)}
+
+
+def created_state(optimizer: torch.optim.Optimizer) -> dict[torch.Tensor, dict[str, Any]]:
+    """The state one step would create for the parameters that have none (keys, shapes, dtypes,
+    devices and shardings as the optimizer makes them), without changing the optimizer: a stand-in
+    with its settings and parameters but a state, param groups and step hooks of its own takes one
+    step with zero gradients and a zero learning rate. Parameters do not change (every update is
+    scaled by the learning rate); their gradients are set aside for the step and put back."""
     params = [p for g in optimizer.param_groups for p in g[_PARAMS]]
     missing = [p for p in params if p.requires_grad and not optimizer.state.get(p)]
     if not missing:
-        return
+        return {}
+    stand_in = _stand_in(optimizer)
     missing_ids = {id(p) for p in missing}
-    saved_grads = {id(p): p.grad for p in params}
-    saved_lrs = [g["lr"] for g in optimizer.param_groups]
+    saved_grads = [p.grad for p in params]
     sparse = isinstance(optimizer, torch.optim.SparseAdam)  # it takes sparse gradients only
     try:
         for p in params:
             p.grad = (torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)) if id(p) in missing_ids \
                 else None
-        for g in optimizer.param_groups:
-            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
-        _step(optimizer)
+        _step(stand_in)
     finally:
-        for g, lr in zip(optimizer.param_groups, saved_lrs):
-            g["lr"] = lr
-        for p in params:
-            p.grad = saved_grads[id(p)]
+        for p, grad in zip(params, saved_grads):
+            p.grad = grad
+    return {p: stand_in.state[p] for p in missing if p in stand_in.state}
+
+
+def _stand_in(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class over its parameters, with its settings at a zero
+    learning rate, an empty state and no step hooks, built as unpickling builds one; attributes its
+    class adds (L-BFGS's parameter list) are shared, methods patched onto the instance (an LR
+    scheduler's counting ``step``, bound to the live optimizer) are not."""
+    stand_in = type(optimizer).__new__(type(optimizer))
+    groups = [{**g, "lr": torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0}
+              for g in optimizer.param_groups]
+    stand_in.__setstate__({"defaults": dict(optimizer.defaults), "state": defaultdict(dict), "param_groups": groups})
+    own = vars(stand_in)
+    own.update({k: v for k, v in vars(optimizer).items() if k not in own and not callable(v)})
+    return stand_in
 
 
 def _step(optimizer: torch.optim.Optimizer) -> None:

@@ -20,7 +20,7 @@ from bcp.api.checkpoint import Checkpoint, open_checkpoint
 from bcp.api.components import PLACED, SKIP, StateValues, check_keys, collect
 from bcp.api.gc_pause import paused_gc
 from bcp.api.metrics import Monitor
-from bcp.api.names import NameMatch, match_names, unexpected_across_ranks, unexpected_error
+from bcp.api.names import NameMatch, match_names, unexpected_error, unloaded_across_ranks
 from bcp.api.options import LoadOptions
 from bcp.api.per_rank import warn_world_change, world_change
 from bcp.api.results import LoadResult, PhaseStats
@@ -164,10 +164,9 @@ def _load(source: ReadSource, want: Want, options: LoadOptions, coord: Coordinat
             with stats.phase("plan.readers"):
                 roles = _read_once_roles(coord, planned, checkpoint)
     with stats.phase("read"):
-        gathered = Outcome.of(lambda: source.gather(coord, checkpoint, planned.value.ops if planned.error is None
-                                                     else None))
-        read = Outcome.of(lambda: _read(planned, checkpoint, roles, coord, result)) if gathered.error is None \
-            else gathered
+        ops = planned.value.ops if planned.error is None else None  # gathering is collective: every rank takes part
+        gathered = Outcome.of(lambda: source.gather(coord, checkpoint, ops))
+        read = _once_succeeded([gathered, planned], lambda: _read(planned.value, checkpoint, roles, coord, result))
     stats.bytes, stats.value_bytes = checkpoint.bytes_read, checkpoint.value_bytes_read
     if read.error is not None:  # raised by the agreement, where it surfaces on every rank
         stats.failed_phase = "plan" if planned.error is not None else "read"
@@ -324,11 +323,15 @@ def _assign_readers(every_rank: list[list[list[Any]]]) -> list[list[list[Any]]]:
     return [[role.to_wire() for role in roles] for roles in assign_readers(requests)]
 
 
-def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None, coord: Coordinator,
+def _once_succeeded(earlier: list[Outcome], phase: Callable[[], Any]) -> Outcome:
+    """The outcome of ``phase()`` where every earlier phase succeeded; else the first earlier failure,
+    carried on (the agreement raises it on every rank)."""
+    failed = next((outcome for outcome in earlier if outcome.error is not None), None)
+    return failed if failed is not None else Outcome.of(phase)
+
+
+def _read(plan: _Plan, checkpoint: Checkpoint, roles: list[ReadRole] | None, coord: Coordinator,
           result: LoadResult) -> dict[str, Any]:
-    if planned.error is not None:
-        raise planned.error
-    plan: _Plan = planned.value
     if roles is None:
         pairs = [(piece.tensor, staging) for piece, staging in plan.staged] if plan.place_as_read else []
         checkpoint.run_reads(plan.ops, on_done=plan.staging.place_as_read(pairs, plan.ops))
@@ -339,15 +342,13 @@ def _read(planned: Outcome, checkpoint: Checkpoint, roles: list[ReadRole] | None
 
 def _agree_on_reading(coord: Coordinator, planned: Outcome, read: Outcome, checkpoint: Checkpoint,
                       result: LoadResult, strict: bool) -> None:
-    """Collective: every rank read and verified its share, and every saved name of a requested
-    component is wanted by some rank (asked only when a rank has names left over)."""
-    names = planned.value.wanted.left_over() if read.error is None else None
-    left_over = Outcome(bool(names and names.left_over) if read.error is None else None, read.error)
-    if any(all_agree(coord, left_over, f"loading {checkpoint.path}")):
-        result.unexpected = unexpected_across_ranks(coord, Outcome.of(lambda: planned.value.wanted.left_over()),
-                                                    checkpoint)
-        if strict and result.unexpected:
-            raise unexpected_error(result.unexpected, checkpoint)
+    """Collective: every rank read and verified its share; the saved names no rank loads are the
+    result's ``unexpected``, and ``strict`` refuses those of a component some rank asked for."""
+    match = _once_succeeded([read], lambda: planned.value.wanted.left_over())
+    unloaded = unloaded_across_ranks(coord, match, checkpoint)
+    result.unexpected = unloaded.every
+    if strict and unloaded.in_requested:
+        raise unexpected_error(unloaded.in_requested, checkpoint)
 
 
 def _apply(plan: _Plan, loaded: dict[str, Any]) -> None:

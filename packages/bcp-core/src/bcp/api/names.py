@@ -23,7 +23,7 @@ import numpy as np
 
 from bcp.api.checkpoint import Checkpoint
 from bcp.coord import Coordinator
-from bcp.coord.consensus import Outcome, gather_then_reply
+from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
 from bcp.errors import MismatchError
 
 logger = logging.getLogger("bcp")
@@ -61,9 +61,34 @@ def match_names(wanted: dict[str, Any], checkpoint: Checkpoint, strict: bool) ->
     return NameMatch(loaded, missing, left_over, components)
 
 
-def unexpected_across_ranks(coord: Coordinator, match: Outcome, checkpoint: Checkpoint) -> list[str]:
-    """Collective: the saved names of components some rank asked for that no rank wants."""
+@dataclass(slots=True)
+class Unloaded:
+    """The saved names that no rank loads: all of them (``LoadResult.unexpected``), and those in a
+    component some rank asked for (what ``strict`` refuses)."""
+
+    every: list[str]
+    in_requested: list[str]
+
+
+def unloaded_across_ranks(coord: Coordinator, match: Outcome, checkpoint: Checkpoint) -> Unloaded:
+    """Collective: the saved names that no rank loads. One exchange, skipped where no rank has
+    names of its components left over and every rank asked for the same components (the saved
+    names outside them are then the unloaded ones on every rank)."""
     names = sorted([*checkpoint.tensors, *checkpoint.objects])
+    views = all_agree(coord, Outcome(None if match.error is not None or match.value is None else
+                                     [bool(match.value.left_over), match.value.components], match.error),
+                      f"loading {checkpoint.path}")
+    views = [view for view in views if view is not None]
+    if not views:
+        return Unloaded([], [])
+    if not any(left for left, _ in views) and all(components == views[0][1] for _, components in views):
+        asked = set(views[0][1])
+        return Unloaded([name for name in names if component_of(name) not in asked], [])
+    return _pooled_unloaded(coord, match, checkpoint, names)
+
+
+def _pooled_unloaded(coord: Coordinator, match: Outcome, checkpoint: Checkpoint, names: list[str]) -> Unloaded:
+    """Collective: every rank's loaded names and requested components pooled on rank 0."""
     index = {name: i for i, name in enumerate(names)}
 
     def pooled(every_rank: list[Any]) -> list[Any]:
@@ -72,14 +97,14 @@ def unexpected_across_ranks(coord: Coordinator, match: Outcome, checkpoint: Chec
         for loaded, asked in every_rank:
             wanted[np.frombuffer(loaded, dtype=np.int64)] = True
             components.update(asked)
-        left = [i for i in np.flatnonzero(~wanted).tolist() if component_of(names[i]) in components]
-        return [np.array(left, dtype=np.int64).tobytes()] * len(every_rank)
+        left = np.flatnonzero(~wanted).tolist()
+        requested = [i for i in left if component_of(names[i]) in components]
+        return [[np.array(left, dtype=np.int64).tobytes(), np.array(requested, dtype=np.int64).tobytes()]] \
+            * len(every_rank)
 
-    mine = None
-    if match.error is None:
-        mine = [np.array([index[n] for n in match.value.loaded], dtype=np.int64).tobytes(), match.value.components]
-    left = gather_then_reply(coord, Outcome(mine, match.error), pooled, f"matching names in {checkpoint.path}")
-    return [names[i] for i in np.frombuffer(left, dtype=np.int64).tolist()]
+    mine = [np.array([index[n] for n in match.value.loaded], dtype=np.int64).tobytes(), match.value.components]
+    every, requested = gather_then_reply(coord, Outcome(mine), pooled, f"matching names in {checkpoint.path}")
+    return Unloaded(*([names[i] for i in np.frombuffer(raw, dtype=np.int64).tolist()] for raw in (every, requested)))
 
 
 def unexpected_error(unexpected: list[str], checkpoint: Checkpoint) -> MismatchError:

@@ -56,16 +56,21 @@ class SaveHandle:
 
 @dataclass
 class LoadResult:
-    """What a ``load`` did on this rank."""
+    """What a ``load`` did on this rank. ``loaded``, ``missing`` and ``unexpected`` say what was and
+    was not loaded on both sides, as torch's ``load_state_dict(strict=False)`` lists
+    ``missing_keys`` and ``unexpected_keys``."""
 
     path: str
     generation: int
     saved_world_size: int
     saved_framework: str
+    #: The saved names this rank loaded.
     loaded: list[str] = field(default_factory=list)
-    #: Under ``strict=False``: names asked for but absent from the checkpoint.
+    #: Names this rank asked for that the checkpoint lacks (``strict`` refuses any).
     missing: list[str] = field(default_factory=list)
-    #: Under ``strict=False``: names saved in a requested component but not asked for.
+    #: Saved names that no rank loaded, sorted: those of a component the state names (``strict``
+    #: refuses any) and every name of a component it does not name (a whole optimizer left in the
+    #: checkpoint). The same on every rank.
     unexpected: list[str] = field(default_factory=list)
     #: Per-rank entries this rank did not save itself (it is beyond the saved world size, or saved
     #: none): it received rank 0's value, or the first saving rank's where rank 0 saved none.

@@ -23,7 +23,9 @@ given an accelerator (a test's stand-in for a device), the new runtime copies th
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from concurrent.futures import Future
 
 import torch.distributed as dist
 
@@ -119,22 +121,38 @@ def _after_groups_destroyed() -> None:
 
 
 def _at_exit() -> None:
+    jobs: list[tuple[Future, str]] = []
     try:
         lane = _current.background
-        waiting = lane.pending()
-        if waiting:
+        jobs = lane.pending_jobs()
+        if jobs:
             try:  # a Ctrl-C from the moment the message is out abandons, as it says
-                _say(f"waiting for {len(waiting)} asynchronous save(s) to commit before this process exits: "
-                     f"{'; '.join(waiting)}. Press Ctrl-C to abandon them (their uncommitted files are removed; "
-                     "the last committed checkpoint stays the latest).")
+                _say(f"waiting for {len(jobs)} asynchronous save(s) to commit before this process exits: "
+                     f"{'; '.join(label for _, label in jobs)}. Press Ctrl-C to abandon them (their uncommitted "
+                     "files are removed; the last committed checkpoint stays the latest).")
                 lane.wait_pending()
             except KeyboardInterrupt:
-                _abandon(lane, waiting)
+                _abandon(lane, jobs)
         release_connections(every=True)
         _current.close()
-    except KeyboardInterrupt:  # yet another Ctrl-C: leave now, without a traceback from bcp
-        _say("exiting at once: an abandoned save may leave uncommitted files, which never load as a "
-             "checkpoint and which a later save's retention removes.")
+    except KeyboardInterrupt:  # yet another Ctrl-C: leave now, saying what became of each save
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # more Ctrl-Cs: no traceback from bcp
+        try:
+            _say("exiting at once" + "".join(f"; {fate}" for fate in _fates(jobs)) + ".")
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _fates(jobs: list[tuple[Future, str]]) -> list[str]:
+    """What became of each save in ``jobs`` so far, in words, those with one fate together."""
+    committed = [label for future, label in jobs if future.done() and future.exception() is None]
+    failed = [label for future, label in jobs if future.done() and future.exception() is not None]
+    running = [label for future, label in jobs if not future.done()]
+    return [*([f"committed {len(committed)} asynchronous save(s): {'; '.join(committed)}"] if committed else []),
+            *([f"abandoned {len(failed)} asynchronous save(s): {'; '.join(failed)}; their uncommitted files were "
+               "removed"] if failed else []),
+            *([f"{len(running)} asynchronous save(s) did not stop: {'; '.join(running)}; their uncommitted files "
+               "never load as a checkpoint and the next commit removes them"] if running else [])]
 
 
 def _stop_pending(lane: BackgroundLane, wait_s: float | None) -> bool:
@@ -146,14 +164,13 @@ def _stop_pending(lane: BackgroundLane, wait_s: float | None) -> bool:
     return lane.wait_pending(wait_s)
 
 
-def _abandon(lane: BackgroundLane, waiting: list[str]) -> None:
+def _abandon(lane: BackgroundLane, jobs: list[tuple[Future, str]]) -> None:
     lane.stop_writing()
-    _say(f"abandoning {len(waiting)} asynchronous save(s): their writes stop now.")
-    finished = _stop_pending(lane, ABANDON_WAIT_S)
-    _say(f"abandoned {len(waiting)} asynchronous save(s): {'; '.join(waiting)}; "
-         + ("their uncommitted files were removed." if finished else
-            f"they did not stop within {ABANDON_WAIT_S:g}s; their uncommitted files never load as a "
-            "checkpoint and a later save's retention removes them."))
+    running = sum(not future.done() for future, _ in jobs)
+    if running:  # a save may have committed while the Ctrl-C came
+        _say(f"abandoning {running} asynchronous save(s): their writes stop now.")
+    _stop_pending(lane, ABANDON_WAIT_S)
+    _say("; ".join(_fates(jobs)) + ".")
 
 
 def _say(message: str) -> None:

@@ -98,8 +98,13 @@ class BackgroundLane:
 
     def pending(self) -> list[str]:
         """The labels of the jobs not finished yet, in call order."""
+        return [what for _, what in self.pending_jobs()]
+
+    def pending_jobs(self) -> list[tuple[Future, str]]:
+        """The jobs not finished yet, in call order: each one's future (which says later whether
+        it finished, and how) and label."""
         with self._lock:
-            return [what for f, what in self._pending if not f.done()]
+            return [(f, what) for f, what in self._pending if not f.done()]
 
     def wait_pending(self, timeout: float | None = None) -> bool:
         """Block until every job submitted so far has finished (or ``timeout`` seconds passed);

@@ -89,15 +89,17 @@ class Report:
                   f"{record.blocking_seconds:.3f} s")]
         if record.error:
             lines.append(f"  error: {record.error}")
-        lines.append(f"  {'phase':<12} {'ranks':>5} {'median s':>10} {'p99 s':>10} {'max s':>10} {'max/med':>8}"
+        # the first column as wide as its longest name (a phase such as "plan.exchange"), at least 12
+        w = max([12, *(len(p.phase) for p in self.phases), *(len(b.kind) for b in self.bytes)])
+        lines.append(f"  {'phase':<{w}} {'ranks':>5} {'median s':>10} {'p99 s':>10} {'max s':>10} {'max/med':>8}"
                      f"  slowest")
         for p in self.phases:
-            lines.append(f"  {p.phase:<12} {p.ranks:>5} {p.median:>10.4f} {p.p99:>10.4f} {p.max:>10.4f} "
+            lines.append(f"  {p.phase:<{w}} {p.ranks:>5} {p.median:>10.4f} {p.p99:>10.4f} {p.max:>10.4f} "
                          f"{p.ratio:>8.2f}  rank {p.slowest_rank}")
         if self.bytes:
-            lines.append(f"  {'bytes':<12} {'ranks':>5} {'median':>10} {'max':>10} {'total':>10} {'max/med':>8}  most")
+            lines.append(f"  {'bytes':<{w}} {'ranks':>5} {'median':>10} {'max':>10} {'total':>10} {'max/med':>8}  most")
         for b in self.bytes:
-            lines.append(f"  {b.kind:<12} {b.ranks:>5} {human_bytes(int(b.median)):>10} {human_bytes(b.max):>10} "
+            lines.append(f"  {b.kind:<{w}} {b.ranks:>5} {human_bytes(int(b.median)):>10} {human_bytes(b.max):>10} "
                          f"{human_bytes(b.total):>10} {b.ratio:>8.2f}  rank {b.most_rank}")
         ranks = {r.rank: r for r in self.record.ranks}
         lines.append(f"  slowest ranks in {self.phase}:")
