@@ -10,13 +10,12 @@ one), and ``enable`` works on any of them.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Callable
 
 import transformers
 from transformers import Trainer
 
-from bcp import AdapterError, CheckpointError
+from bcp import AdapterError, integration
 from bcp_transformers import engine
 from bcp_transformers.options import CheckpointOptions, set_options
 
@@ -50,13 +49,7 @@ _ROUTED: dict[str, Callable[..., Any]] = {
 
 def requested_engine() -> str | None:
     """The engine named by ``TRANSFORMERS_CHECKPOINT_ENGINE``, or ``None`` when it is unset or empty."""
-    value = os.environ.get(ENGINE_VARIABLE, "").strip().lower()
-    if not value:
-        return None
-    if value not in ENGINES:
-        raise CheckpointError(f"{ENGINE_VARIABLE}={os.environ[ENGINE_VARIABLE]!r} names no checkpoint engine: "
-                              f"use one of {', '.join(ENGINES)}, or leave it unset")
-    return value
+    return integration.requested_engine(ENGINE_VARIABLE, ENGINES)
 
 
 def enable(trainer: Trainer, *, async_save: bool = False, save_model_files: bool = False) -> Trainer:
