@@ -86,8 +86,10 @@ def venv(request, tmp_path_factory) -> Path:
                            "--target", str(site), str(wheel)], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (site / "bcp_accelerate_autoload.pth").is_file()
-    # torch, accelerate and bcp-core from this environment: path lines only, nothing runs.
-    (site / "zz_test_dependencies.pth").write_text(
+    # torch, accelerate and bcp-core from this environment: path lines only, nothing runs. Python reads
+    # the .pth files in name order, and these paths must be there before the autoload line runs
+    # (bcp-core's import hook), as an installed bcp-core is.
+    (site / "aa_test_dependencies.pth").write_text(
         f"{sysconfig.get_paths()['purelib']}\n{ROOT / 'packages' / 'bcp-core' / 'src'}\n")
     return python
 

@@ -29,8 +29,9 @@ LAYERS = {
     "bcp.cli": 8, "bcp": 8,
 }
 # The frameworks whose private names bcp reads, and the one module (or package) each is read in.
-FRAMEWORKS = {"torch", "torchdata", "lightning", "pytorch_lightning", "accelerate", "megatron"}
-QUARANTINES = ("bcp.torch_internals", "bcp_lightning.lightning_patch", "bcp_accelerate.accelerate_patch")
+FRAMEWORKS = {"torch", "torchdata", "lightning", "pytorch_lightning", "accelerate", "megatron", "transformers"}
+QUARANTINES = ("bcp.torch_internals", "bcp_lightning.lightning_patch", "bcp_accelerate.accelerate_patch",
+               "bcp_transformers.transformers_patch")
 # Private names of Python's standard library that bcp reads on objects the walk cannot trace to their
 # import: a namedtuple's ``_make``, a ThreadPoolExecutor's ``_max_workers``.
 STANDARD_LIBRARY_PRIVATE = {"_make", "_max_workers"}

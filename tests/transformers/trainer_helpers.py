@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 from typing import Any, Iterator
+from unittest import mock
 
 import torch
 from accelerate import FullyShardedDataParallelPlugin
@@ -74,17 +75,14 @@ def tiny_gpt2() -> GPT2LMHeadModel:
 @contextlib.contextmanager
 def engine(name: str | None) -> Iterator[None]:
     """``TRANSFORMERS_CHECKPOINT_ENGINE`` is ``name`` (None: unset) inside, as before outside."""
-    previous = os.environ.pop(bcp_transformers.ENGINE_VARIABLE, None)
-    if name is not None:
-        os.environ[bcp_transformers.ENGINE_VARIABLE] = name
-    try:
-        yield
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    with mock.patch.dict(os.environ):  # restores the environment as it was on exit
         os.environ.pop(bcp_transformers.ENGINE_VARIABLE, None)
-        if previous is not None:
-            os.environ[bcp_transformers.ENGINE_VARIABLE] = previous
+        os.environ.update({} if name is None else {bcp_transformers.ENGINE_VARIABLE: name})
+        try:
+            yield
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
 
 
 def trainer(output_dir: str, recorder: Recorder, **arguments: Any) -> Trainer:

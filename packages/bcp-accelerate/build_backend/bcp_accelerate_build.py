@@ -7,6 +7,9 @@ is ``bcp`` it imports ``bcp_accelerate_autoload``, which waits for accelerate to
 that module). setuptools installs no file beside the packages in site-packages in an editable
 install (neither ``data_files`` nor ``build_py`` outputs reach it portably), so the file is added to
 the finished wheel here, with its line in the wheel's ``RECORD``.
+bcp-transformers' backend does the same for its own ``.pth``: pip runs a backend from inside its
+project (``backend-path``) in an isolated environment holding only ``setuptools``, so the two
+cannot share one module.
 """
 
 from __future__ import annotations

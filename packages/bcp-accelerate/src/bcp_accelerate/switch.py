@@ -9,13 +9,12 @@ takes effect at the next ``save_state``/``load_state``.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Callable
 
 import accelerate
 
-from bcp import CheckpointError
 import bcp
+from bcp import integration
 from bcp_accelerate import dataloaders, generations
 from bcp_accelerate import memory_tier as memory_tier_module
 from bcp_accelerate.generations import DEFAULT_KEEP_GENERATIONS
@@ -31,13 +30,7 @@ _DISPATCHES = "_bcp_dispatches"
 
 def requested_engine() -> str | None:
     """The engine named by ``ACCELERATE_CHECKPOINT_ENGINE``, or ``None`` when it is unset or empty."""
-    value = os.environ.get(ENGINE_VARIABLE, "").strip().lower()
-    if not value:
-        return None
-    if value not in ENGINES:
-        raise CheckpointError(f"{ENGINE_VARIABLE}={os.environ[ENGINE_VARIABLE]!r} names no checkpoint engine: "
-                              f"use one of {', '.join(ENGINES)}, or leave it unset")
-    return value
+    return integration.requested_engine(ENGINE_VARIABLE, ENGINES)
 
 
 def enable(accelerator: accelerate.Accelerator, *, keep_generations: int = DEFAULT_KEEP_GENERATIONS,

@@ -34,7 +34,11 @@ test walks their imports).
 - private names: ``private_name(owner, name, distribution=..., tested=...)`` reads a framework's
   private name and fails with a ``MovedNameError`` naming it and the versions it was tested in where
   it moved, as the core's own reads of torch's private names do (each integration keeps its names
-  in one module).
+  in one module);
+- engine switches: ``requested_engine(variable, engines)`` reads the environment variable through
+  which a user picks an integration's checkpoint engine (at each call). The import hook that imports
+  an integration once its framework is imported is ``bcp_after_import.after_import``, a module beside
+  ``bcp`` because anything under ``bcp`` imports torch.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from bcp.adapters.optimizer import flat_optimizer_values, initialize_state, nest
 from bcp.adapters.drawn_order import draws_its_order, drawn_from
 from bcp.adapters.drawn_order import follow as follow_order
 from bcp.adapters.drawn_order import replay as replay_order
+from bcp.adapters.engine_switch import requested_engine
 from bcp.adapters.distributed_sampler import loaders_own_batch_sampler
 from bcp.adapters.epoch_order import distributed as distributed_order
 from bcp.adapters.epoch_order import of_sampler as order_of_sampler
@@ -104,4 +109,6 @@ __all__ = [
     "refusing_pickled_code",
     # a framework's private name, read where its tested versions have it
     "private_name", "MovedNameError",
+    # the environment variable that picks an integration's checkpoint engine
+    "requested_engine",
 ]

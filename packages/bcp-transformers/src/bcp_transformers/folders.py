@@ -33,11 +33,10 @@ class Contents(enum.Enum):
 
 def contents(folder: str) -> Contents:
     location = checkpoint_location(folder, None)
-    generations = location.generations()
-    if any(location.is_committed(g) for g in generations):
+    if location.newest_committed() is not None:
         return Contents.BCP
     names = set(os.listdir(folder)) if os.path.isdir(folder) else set()
-    if not generations and TRAINER_STATE_NAME in names and names & set(_TRAINER_FILES):
+    if not location.generations() and TRAINER_STATE_NAME in names and names & set(_TRAINER_FILES):
         return Contents.TRANSFORMERS
     return Contents.INCOMPLETE
 

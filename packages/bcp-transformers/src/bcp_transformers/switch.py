@@ -10,14 +10,12 @@ one), and ``enable`` works on any of them.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, Callable
 
-import transformers
 from transformers import Trainer
 
-from bcp import AdapterError, CheckpointError
-from bcp_transformers import engine
+from bcp import integration
+from bcp_transformers import transformers_patch
 from bcp_transformers.options import CheckpointOptions, set_options
 
 #: ``bcp`` routes every trainer's checkpoints through bcp, ``transformers`` keeps the Trainer's own
@@ -27,36 +25,11 @@ ENGINE_VARIABLE = "TRANSFORMERS_CHECKPOINT_ENGINE"
 ENGINES = ("bcp", "transformers")
 
 _OPTED_IN = "_bcp_checkpoint_engine"
-_DISPATCHES = "_bcp_dispatches"
-#: The Trainer's methods that the switch routes (most of them private: the Trainer has no public
-#: checkpoint hooks), and what runs in their place through bcp.
-_ROUTED: dict[str, Callable[..., Any]] = {
-    "train": engine.train,
-    "_run_epoch": engine.run_epoch,
-    "_init_training_state": engine.init_training_state,
-    "create_scheduler": engine.create_scheduler,
-    "_save_checkpoint": engine.save_checkpoint,
-    "save_model": engine.save_model,
-    "_save_optimizer_and_scheduler": engine.skipped_while_saving,
-    "_save_scaler": engine.skipped_while_saving,
-    "_save_rng_state": engine.skipped_while_saving,
-    "_load_from_checkpoint": engine.load_from_checkpoint,
-    "_load_best_model": engine.load_best_model,
-    "_load_optimizer_and_scheduler": engine.load_optimizer_and_scheduler,
-    "_load_scaler": engine.load_scaler,
-    "_load_rng_state": engine.load_rng_state,
-}
 
 
 def requested_engine() -> str | None:
     """The engine named by ``TRANSFORMERS_CHECKPOINT_ENGINE``, or ``None`` when it is unset or empty."""
-    value = os.environ.get(ENGINE_VARIABLE, "").strip().lower()
-    if not value:
-        return None
-    if value not in ENGINES:
-        raise CheckpointError(f"{ENGINE_VARIABLE}={os.environ[ENGINE_VARIABLE]!r} names no checkpoint engine: "
-                              f"use one of {', '.join(ENGINES)}, or leave it unset")
-    return value
+    return integration.requested_engine(ENGINE_VARIABLE, ENGINES)
 
 
 def enable(trainer: Trainer, *, async_save: bool = False, save_model_files: bool = False) -> Trainer:
@@ -81,15 +54,7 @@ def uses_bcp(trainer: Trainer) -> bool:
 def install() -> None:
     """Let ``transformers.Trainer``'s checkpoint methods consult :func:`uses_bcp` on each call
     (idempotent). While it says no, the Trainer's own methods run, unchanged."""
-    missing = [name for name in _ROUTED if not callable(getattr(Trainer, name, None))]
-    if missing:
-        raise AdapterError(f"transformers {transformers.__version__}'s Trainer has no {', '.join(missing)}: "
-                           "bcp-transformers routes those checkpoint methods and was tested with transformers 5.24; "
-                           f"unset {ENGINE_VARIABLE} to use the Trainer's own engine")
-    for name, through_bcp in _ROUTED.items():
-        original = getattr(Trainer, name)
-        if not getattr(original, _DISPATCHES, False):
-            setattr(Trainer, name, _dispatching(original, through_bcp))
+    transformers_patch.route(_dispatching)
 
 
 def _dispatching(original: Callable[..., Any], through_bcp: Callable[..., Any]) -> Callable[..., Any]:
@@ -99,5 +64,5 @@ def _dispatching(original: Callable[..., Any], through_bcp: Callable[..., Any]) 
             return through_bcp(original, self, *args, **kwargs)
         return original(self, *args, **kwargs)
 
-    setattr(method, _DISPATCHES, True)
+    setattr(method, transformers_patch.ROUTED_MARK, True)
     return method
