@@ -38,7 +38,7 @@ def test_64_nodes_plan_a_llama_405b_shaped_save_through_a_tree_of_the_configured
             node = nodes[rank]
             mine = gather_then_reply(node, Outcome(plans[rank]), planned,
                                      "planning")
-            agreed = all_agree(node, Outcome(len(mine[0]) + len(mine[1])), "agreeing")
+            agreed = all_agree(node, Outcome(len(mine["whole"]) + len(mine["parts"])), "agreeing")
             return [mine, agreed]
 
         results = on_threads(WORLD, plan_on)
@@ -47,7 +47,7 @@ def test_64_nodes_plan_a_llama_405b_shaped_save_through_a_tree_of_the_configured
     for rank, result in enumerate(results):
         assert not isinstance(result, BaseException), f"rank {rank}: {result!r}"
         assert result[0] == expected[rank]
-        assert result[1] == [len(whole) + len(parts) for whole, parts in expected]
+        assert result[1] == [len(share["whole"]) + len(share["parts"]) for share in expected]
 
     tree = nodes[0].tree
     # 8 machines of 8 ranks; their leaders in a binary tree 3 levels deep; local ranks one below.

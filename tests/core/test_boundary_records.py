@@ -7,9 +7,16 @@ from __future__ import annotations
 import socket
 
 import msgpack
+import numpy as np
 import pytest
+import torch
 
 from bcp.engine.process_wire import receive, send
+from bcp.layout.box import Box
+from bcp.layout.local_plan import LocalPlan
+from bcp.layout.piece import Piece
+from bcp.layout.read_op import ReadRequest, ReadRole
+from bcp.layout.write_plan import RankAssignment, SplitPart
 from bcp.engine.writer_jobs import (Abandon, Done, Failed, Failure, FileJob, Padding, SharedBuffer, StagedPiece,
                                     Stop, ValueBytes, WriteJob, read_reply, read_request)
 
@@ -107,3 +114,27 @@ def test_a_proposal_and_a_rank_report_come_back_equal_by_field_name():
         assert (getattr(back.pieces, column) == getattr(writes.pieces, column)).all()
         assert (getattr(back.reused, column) == getattr(writes.reused, column)).all()
     assert back.pieces.parts == writes.pieces.parts and (back.used_pickle, back.used_refs) == (False, True)
+
+
+def test_a_local_plan_an_assignment_and_the_read_once_lists_travel_by_field_name():
+    pieces = [Piece("w", torch.float32, (4, 3), Box((0, 0), (2, 3)), torch.zeros(2, 3)),
+              Piece("b", torch.float32, (3,), Box((1,), (2,)), torch.zeros(2))]
+    plan = LocalPlan.of([("w", torch.float32, (4, 3)), ("b", torch.float32, (3,))], pieces, [7, 9])
+    wire = _through_msgpack(plan)
+    assert {"version", "tensors", "ndim", "tensor", "offsets", "lengths", "replica_crcs"} <= set(wire)
+    back = LocalPlan.from_wire(wire)
+    assert back.tensors == [["w", "float32", [4, 3]], ["b", "float32", [3]]] and back.ndim == 2
+    assert np.array_equal(back.offsets, plan.offsets) and np.array_equal(back.lengths, plan.lengths)
+    assert back.replica_crcs.tolist() == [7, 9]
+    without_crcs = {key: value for key, value in wire.items() if key != "replica_crcs"}  # an older sender's
+    assert LocalPlan.from_wire(without_crcs).replica_crcs is None
+
+    assignment = RankAssignment([0, 2], [SplitPart(1, (0, 0), (2, 3))])
+    assert RankAssignment.from_wire(_through_msgpack(assignment)) == assignment
+
+    requests = [ReadRequest("w", 0, (0, 0), (2, 3), 24), ReadRequest("b", 1, (1,), (2,), 8)]
+    wire = msgpack.unpackb(msgpack.packb(ReadRequest.list_to_wire(requests)), raw=False)
+    assert ReadRequest.list_from_wire(wire) == requests
+    roles = [ReadRole(True, 3, (1, 2)), ReadRole(False, 3, (0,))]
+    wire = msgpack.unpackb(msgpack.packb(ReadRole.list_to_wire(roles)), raw=False)
+    assert ReadRole.list_from_wire(wire) == roles

@@ -312,15 +312,16 @@ def _read_once_roles(coord: Coordinator, planned: Outcome, checkpoint: Checkpoin
     """Who reads each shared region (collective); None where the coordinator cannot move tensors."""
     if coord.world_size == 1 or coord.process_group() is None:
         return None
-    wire = [ReadRequest.of(op).to_wire() for op in planned.value.ops] if planned.error is None else None
+    wire = ReadRequest.list_to_wire([ReadRequest.of(op) for op in planned.value.ops]) if planned.error is None \
+        else None
     roles = gather_then_reply(coord, Outcome(wire, planned.error), _assign_readers,
                               f"planning the load of {checkpoint.path}")
-    return [ReadRole.from_wire(role) for role in roles]
+    return ReadRole.list_from_wire(roles)
 
 
-def _assign_readers(every_rank: list[list[list[Any]]]) -> list[list[list[Any]]]:
-    requests = [[ReadRequest.from_wire(request) for request in rows] for rows in every_rank]
-    return [[role.to_wire() for role in roles] for roles in assign_readers(requests)]
+def _assign_readers(every_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    requests = [ReadRequest.list_from_wire(rows) for rows in every_rank]
+    return [ReadRole.list_to_wire(roles) for roles in assign_readers(requests)]
 
 
 def _once_succeeded(earlier: list[Outcome], phase: Callable[[], Any]) -> Outcome:

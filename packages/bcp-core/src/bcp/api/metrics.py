@@ -65,15 +65,13 @@ class RankRecord:
             out[name] = out.get(name, 0.0) + end - start
         return out
 
-    def to_wire(self) -> list[Any]:
-        return [self.rank, self.host, self.local_rank, self.topology, [list(p) for p in self.phases], self.bytes,
-                self.received_bytes, self.error, self.retries, self.value_bytes]
+    def to_wire(self) -> dict[str, Any]:
+        """What travels to the coordinating rank: the record's JSON form, by field name."""
+        return self.to_json()
 
     @staticmethod
-    def from_wire(wire: list[Any]) -> "RankRecord":
-        rank, host, local_rank, topology, phases, nbytes, received, error, retries, value_bytes = wire
-        return RankRecord(rank, host, local_rank, dict(topology), [tuple(p) for p in phases], nbytes, received,
-                          error, dict(retries), value_bytes)
+    def from_wire(wire: Mapping[str, Any]) -> "RankRecord":
+        return RankRecord.from_json(wire)
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "host": self.host, "local_rank": self.local_rank, "topology": self.topology,

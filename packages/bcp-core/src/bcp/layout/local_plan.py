@@ -48,16 +48,21 @@ class LocalPlan:
     def __len__(self) -> int:
         return len(self.tensor)
 
-    def to_wire(self) -> list[Any]:
+    #: The layout of :meth:`to_wire`: each field by name, the columns as their bytes.
+    VERSION = 1
+
+    def to_wire(self) -> dict[str, Any]:
         crcs = self.replica_crcs.tobytes() if self.replica_crcs is not None else None
-        return [[[n, d, list(s)] for n, d, s in self.tensors], self.ndim, self.tensor.tobytes(),
-                self.offsets.tobytes(), self.lengths.tobytes(), crcs]
+        return {"version": self.VERSION, "tensors": [[n, d, list(s)] for n, d, s in self.tensors], "ndim": self.ndim,
+                "tensor": self.tensor.tobytes(), "offsets": self.offsets.tobytes(), "lengths": self.lengths.tobytes(),
+                "replica_crcs": crcs}
 
     @staticmethod
-    def from_wire(wire: list[Any]) -> "LocalPlan":
-        declared, ndim, tensor, offsets, lengths, crcs = wire
-        tensor = np.frombuffer(tensor, dtype=np.int64)
-        return LocalPlan(declared, ndim, tensor,
-                         np.frombuffer(offsets, dtype=np.int64).reshape(len(tensor), ndim),
-                         np.frombuffer(lengths, dtype=np.int64).reshape(len(tensor), ndim),
+    def from_wire(wire: dict[str, Any]) -> "LocalPlan":
+        ndim = wire["ndim"]
+        tensor = np.frombuffer(wire["tensor"], dtype=np.int64)
+        crcs = wire.get("replica_crcs")
+        return LocalPlan(wire["tensors"], ndim, tensor,
+                         np.frombuffer(wire["offsets"], dtype=np.int64).reshape(len(tensor), ndim),
+                         np.frombuffer(wire["lengths"], dtype=np.int64).reshape(len(tensor), ndim),
                          np.frombuffer(crcs, dtype=np.uint32) if crcs is not None else None)

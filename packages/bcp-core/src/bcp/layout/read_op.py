@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from bcp.layout.box import Box
 from bcp.layout.piece import Piece
 from bcp.layout.shard_table import ShardEntry
+
+#: The layout of the read-once exchange's lists (:meth:`ReadRequest.list_to_wire`, :meth:`ReadRole.list_to_wire`).
+WIRE_VERSION = 1
 
 
 @dataclass(slots=True)
@@ -30,13 +34,16 @@ class ReadRole:
     transfer: int
     peers: tuple[int, ...]
 
-    def to_wire(self) -> list:
-        return [self.reads, self.transfer, list(self.peers)]
+    @staticmethod
+    def list_to_wire(roles: list["ReadRole"]) -> dict[str, Any]:
+        """A rank's roles as columns, each by its field's name (thousands of ops per rank)."""
+        return {"version": WIRE_VERSION, "reads": [role.reads for role in roles],
+                "transfer": [role.transfer for role in roles], "peers": [list(role.peers) for role in roles]}
 
     @staticmethod
-    def from_wire(wire: list) -> "ReadRole":
-        reads, transfer, peers = wire
-        return ReadRole(reads, transfer, tuple(peers))
+    def list_from_wire(wire: dict[str, Any]) -> list["ReadRole"]:
+        return [ReadRole(reads, transfer, tuple(peers))
+                for reads, transfer, peers in zip(wire["reads"], wire["transfer"], wire["peers"], strict=True)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +68,15 @@ class ReadRequest:
         """Equal for the requests of every rank that wants the same saved bytes."""
         return self.tensor, self.shard_index, self.offsets, self.lengths
 
-    def to_wire(self) -> list:
-        return [self.tensor, self.shard_index, list(self.offsets), list(self.lengths), self.nbytes]
+    @staticmethod
+    def list_to_wire(requests: list["ReadRequest"]) -> dict[str, Any]:
+        """A rank's requests as columns, each by its field's name."""
+        return {"version": WIRE_VERSION, "tensor": [r.tensor for r in requests],
+                "shard_index": [r.shard_index for r in requests], "offsets": [list(r.offsets) for r in requests],
+                "lengths": [list(r.lengths) for r in requests], "nbytes": [r.nbytes for r in requests]}
 
     @staticmethod
-    def from_wire(wire: list) -> "ReadRequest":
-        tensor, shard_index, offsets, lengths, nbytes = wire
-        return ReadRequest(tensor, shard_index, tuple(offsets), tuple(lengths), nbytes)
+    def list_from_wire(wire: dict[str, Any]) -> list["ReadRequest"]:
+        return [ReadRequest(tensor, shard_index, tuple(offsets), tuple(lengths), nbytes)
+                for tensor, shard_index, offsets, lengths, nbytes in zip(
+                    wire["tensor"], wire["shard_index"], wire["offsets"], wire["lengths"], wire["nbytes"], strict=True)]

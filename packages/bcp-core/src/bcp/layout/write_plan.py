@@ -27,13 +27,16 @@ class RankAssignment:
     whole: list[int] = field(default_factory=list)
     parts: list[SplitPart] = field(default_factory=list)
 
-    def to_wire(self) -> list[Any]:
-        return [self.whole, [[p.index, list(p.offsets), list(p.lengths)] for p in self.parts]]
+    #: The layout of :meth:`to_wire`: each field by name, a split part as its index, offsets and lengths.
+    VERSION = 1
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": self.VERSION, "whole": self.whole,
+                "parts": [[p.index, list(p.offsets), list(p.lengths)] for p in self.parts]}
 
     @staticmethod
-    def from_wire(wire: list[Any]) -> "RankAssignment":
-        whole, parts = wire
-        return RankAssignment(whole, [SplitPart(i, tuple(o), tuple(n)) for i, o, n in parts])
+    def from_wire(wire: dict[str, Any]) -> "RankAssignment":
+        return RankAssignment(wire["whole"], [SplitPart(i, tuple(o), tuple(n)) for i, o, n in wire.get("parts", [])])
 
 
 @dataclass(slots=True)
