@@ -17,7 +17,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 from bcp import AdapterError
-from bcp.integration import initialize_state, replace_state
+from bcp.integration import replace_state, state_to_load_into
 
 PARAMS = "params"
 
@@ -40,19 +40,19 @@ def model_component(models: Sequence[nn.Module], indices: Sequence[int]) -> nn.M
 def optimizer_component(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], *,
                         for_load: bool) -> dict[str, Any]:
     """One FQN-keyed optimizer state dict over every optimizer; its per-parameter dicts are the live
-    ones. With ``for_load``, missing state is created first so that there is something to load into."""
+    ones. With ``for_load``, parameters without state get the state one step would create, so that
+    there is something to load into, without changing the optimizers (a load that fails leaves them
+    as they were; :func:`restore_optimizers` gives them what one that succeeds loaded)."""
     inner = [torch_optimizer(o) for o in optimizers]
-    if for_load:
-        for optimizer in inner:
-            initialize_state(optimizer)
     names = _parameter_names(models)
     state: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     for index, optimizer in enumerate(inner):
+        live = state_to_load_into(optimizer) if for_load else optimizer.state
         for group in optimizer.param_groups:
             params = [_name_of(names, p, index) for p in group[PARAMS]]
             groups.append({**{k: v for k, v in group.items() if k != PARAMS}, PARAMS: params})
-            state.update({name: optimizer.state[p] for name, p in zip(params, group[PARAMS]) if p in optimizer.state})
+            state.update({name: live[p] for name, p in zip(params, group[PARAMS]) if p in live})
     return {"state": state, "param_groups": groups}
 
 

@@ -14,6 +14,7 @@ test walks their imports).
 - where checkpoints live (``checkpoint_location(path, role)``: generations and their commit
   state), the storage backend for a path or URL and ``is_url``, the one test of which a path is;
 - adapters: ``initialize_state`` gives a never-stepped optimizer its state before a load,
+  ``state_to_load_into`` the state for a load to fill without changing the optimizer,
   ``replace_state`` gives it the loaded state as ``Optimizer.load_state_dict`` would; the
   core's optimizer value names (``OPTIMIZER_STATE_PREFIX``, ``OPTIMIZER_PARAM_GROUPS``) and
   ``nested_optimizer_state``/``flat_optimizer_values`` between them and torch's FQN-keyed dicts;
@@ -48,6 +49,7 @@ from bcp.adapters.dataloader import COMPONENT as DATALOADER_COMPONENT
 from bcp.adapters.optimizer import PARAM_GROUPS as OPTIMIZER_PARAM_GROUPS
 from bcp.adapters.optimizer import STATE as OPTIMIZER_STATE_PREFIX
 from bcp.adapters.optimizer import flat_optimizer_values, initialize_state, nested_optimizer_state, replace_state
+from bcp.adapters.optimizer import state_to_load_into
 from bcp.adapters.drawn_order import draws_its_order, drawn_from
 from bcp.adapters.drawn_order import follow as follow_order
 from bcp.adapters.drawn_order import replay as replay_order
@@ -99,7 +101,7 @@ __all__ = [
     # where checkpoints live: generations and their commit state; storage backends
     "checkpoint_location", "Storage", "storage_for", "is_url",
     # adapters
-    "initialize_state", "replace_state", "adapter_for", "DATALOADER_COMPONENT", "OPTIMIZER_STATE_PREFIX", "OPTIMIZER_PARAM_GROUPS",
+    "initialize_state", "state_to_load_into", "replace_state", "adapter_for", "DATALOADER_COMPONENT", "OPTIMIZER_STATE_PREFIX", "OPTIMIZER_PARAM_GROUPS",
     "nested_optimizer_state", "flat_optimizer_values", "batches_yielded",
     "draws_its_order", "drawn_from", "follow_order", "replay_order",
     "loader_position", "order_of_sampler", "distributed_order", "rebuild_order", "order_shape", "natural_walk", "Walk", "plan_resume", "Resume",

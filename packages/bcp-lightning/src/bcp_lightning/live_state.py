@@ -11,6 +11,7 @@ the live memory, and gives loaded ones back.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Protocol
 
 import torch
@@ -22,7 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from bcp.integration import adapter_for, flat_optimizer_values, initialize_state, nested_optimizer_state
+from bcp.integration import (adapter_for, flat_optimizer_values, initialize_state, nested_optimizer_state,
+                             state_to_load_into)
 
 
 class LiveState(Protocol):
@@ -44,25 +46,27 @@ class TorchStateDicts:
         return get_model_state_dict(model)
 
     def optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, for_load: bool) -> dict[str, Any]:
-        before = dict(optimizer.state) if not any(optimizer.state.values()) else None  # never stepped
         # torch's get_optimizer_state_dict creates missing state with a step at learning rate 0, but
-        # without the closure L-BFGS needs and with the dense gradients SparseAdam refuses: bcp's does.
-        initialize_state(optimizer)
-        state = get_optimizer_state_dict(model, optimizer)
-        if before is not None and not for_load:
+        # on the live optimizer (a load that then fails would leave it stepped), without the closure
+        # L-BFGS needs and with the dense gradients SparseAdam refuses: it reads a view whose state
+        # holds bcp's instead, made without changing the optimizer.
+        state = get_optimizer_state_dict(model, _with_state(optimizer, state_to_load_into(optimizer)))
+        if not for_load and not any(optimizer.state.values()):  # never stepped
             # Saved as Optimizer.state_dict() gives it, with no state: the created state would be
-            # saved and would stay, one Adam step ahead of the run that did not save.
-            optimizer.state.clear()
-            optimizer.state.update(before)
+            # saved, and a resume would be one Adam step ahead of the run that did not save.
             names = dict(zip((p for g in optimizer.param_groups for p in g["params"]),
                              (n for g in state["param_groups"] for n in g["params"])))
-            return {"state": {names[p]: {} for p in before if p in names}, "param_groups": state["param_groups"]}
+            return {"state": {names[p]: {} for p in optimizer.state if p in names},
+                    "param_groups": state["param_groups"]}
         return state
 
     def load_model(self, model: torch.nn.Module, state: dict[str, Any], *, strict: bool) -> None:
         set_model_state_dict(model, state, options=StateDictOptions(strict=strict))
 
     def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        # The load succeeded: the optimizer may now get state, so that torch's set_optimizer_state_dict
+        # does not step it itself (its step has no closure for L-BFGS); load_state_dict replaces it.
+        initialize_state(optimizer)
         # Not strict: a parameter without saved state (L-BFGS keeps all of it on the first one) has
         # none after the load, as Optimizer.load_state_dict gives it; bcp checked the names itself.
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(strict=False))
@@ -84,6 +88,14 @@ class FSDP1Shards:
 
 TORCH_STATE_DICTS: LiveState = TorchStateDicts()
 FSDP1_SHARDS: LiveState = FSDP1Shards()
+
+
+def _with_state(optimizer: torch.optim.Optimizer, state: dict[torch.Tensor, dict[str, Any]]) -> torch.optim.Optimizer:
+    """A view of ``optimizer`` (its param groups, settings and hooks) holding ``state`` instead of its own."""
+    view = type(optimizer).__new__(type(optimizer))
+    vars(view).update(vars(optimizer))
+    view.state = defaultdict(dict, state)
+    return view
 
 
 def _fsdp1(model: torch.nn.Module) -> Any:
