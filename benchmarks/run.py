@@ -40,10 +40,11 @@ from bcpbench.state import gpt_shapes, shapes_nbytes
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILES = {
     "quick": {"size_mb": 256, "reps": 5, "small_tensors": 1000, "tensor_path_mb": 512, "timeout_s": 1800,
-              # 50 MiB of parameters and AdamW moments: a few tens of seconds
-              "every_step": {"width": 1024, "layers": 4, "batch": 128, "steps": 10, "rounds": 3, "saves": 100}},
+              # 192 MiB of parameters and AdamW moments, a step of ~170 ms on one core: about 40 s (a
+              # smaller step is dominated by each save's fixed costs on a loaded 2-core machine)
+              "every_step": {"width": 2048, "layers": 4, "batch": 128, "steps": 8, "rounds": 3, "saves": 60}},
     "full": {"size_mb": 2048, "reps": 5, "small_tensors": 2000, "tensor_path_mb": 1024, "timeout_s": 7200,
-             # 384 MiB of parameters and AdamW moments, a step of ~210 ms on one core
+             # 384 MiB of parameters and AdamW moments, a step of 210-340 ms on one core: about 7 min
              "every_step": {"width": 2048, "layers": 8, "batch": 128, "steps": 12, "rounds": 3, "saves": 1000}},
 }
 GROUPS = ("single", "distributed", "memory", "tensors", "incremental", "every-step", "planning")
