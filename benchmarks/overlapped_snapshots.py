@@ -27,34 +27,9 @@ import torch
 from torch import nn
 
 import bcp
+from bcpbench.every_step import bare_copy_s, build, step
 
 MODES = ("none", "async", "overlap")
-
-
-def build(width: int, layers: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-
-def step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
-    optimizer.zero_grad()
-    model(x).square().mean().backward()
-    optimizer.step()
-
-
-def bare_copy_s(model: nn.Module, optimizer: torch.optim.Optimizer, reps: int = 5) -> float:
-    """The copy of parameters and optimizer state into buffers allocated once, median seconds."""
-    sources = list(model.parameters()) + [t for s in optimizer.state.values() for t in s.values()
-                                          if isinstance(t, torch.Tensor) and t.dim()]
-    buffers = [torch.empty_like(t) for t in sources]
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for dest, source in zip(buffers, sources):
-            dest.copy_(source)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run_mode(mode: str, model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, steps: int,

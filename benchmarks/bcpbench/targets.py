@@ -8,6 +8,7 @@ import statistics
 from dataclasses import dataclass
 
 from bcpbench import distributed as d2
+from bcpbench import every_step as every
 from bcpbench import incremental as inc
 from bcpbench import single as d1
 from bcpbench import tensor_path as tp
@@ -121,6 +122,8 @@ def checks(record: Record, scale: dict | None = None) -> list[Check]:
                          1.1, False))
     out.append(Check("data bytes written vs the state's (each byte once)", f"{tp.SAVE_2P}: {tp.EMA}",
                      written_share(record, tp.EMA), 1.01, False))
+    out.append(Check("step time, bcp save at every step vs no checkpoint", every.STEP + ": " + every.OVERLAP,
+                     every.step_ratio(record, every.OVERLAP), 1.03, False))
     return out + incremental_checks(record)
 
 

@@ -15,6 +15,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bcpbench import distributed as d2  # noqa: E402
+from bcpbench import every_step  # noqa: E402
 from bcpbench import fsdp1  # noqa: E402
 from bcpbench import incremental as inc  # noqa: E402
 from bcpbench import single as d1  # noqa: E402
@@ -45,6 +46,10 @@ def a_run(profile: str = "full", cases: tuple[str, ...] | None = None) -> dict:
         samples[inc.LOAD] = {inc.INCREMENTAL: [1.0], inc.WHOLE: [1.0]}
         figures["fine-tuning state"] = {"parameters": 268 * 10**6, "trainable": 2_680_000, "rank": 14, "tensors": 166}
         figures.update({f"fine-tuning bytes written: {m}": [1.1e9] + [3.2e7] * 4 for m in (inc.INCREMENTAL, inc.TRAINABLE)})
+        samples[every_step.STEP] = {every_step.NONE: [0.2], every_step.OVERLAP: [0.202]}
+        samples[every_step.BLOCKING] = {every_step.OVERLAP: [0.002]}
+        figures[every_step.MODEL] = {"width": 2048, "layers": 8, "batch": 128, "steps": 12, "rounds": 3,
+                                     "state_bytes": 384 << 20, "ratios": {every_step.OVERLAP: 1.01}}
     return {"run": run, "samples": samples, "nbytes": {case: 2131 * 10**6 for case in cases}, "figures": figures}
 
 
