@@ -47,8 +47,7 @@ class SaveHandle:
         in-place update outside ``optimizer.step()``, a weight tie, EMA into the model) calls it
         first, on the training thread. A failed copy is raised by ``wait()``, not here."""
         if self._snapshot is not None:
-            self._snapshot.wait()
-            self._snapshot.remove_hooks()
+            self._snapshot.finish()
 
     def done(self) -> bool:
         return self._future is None or self._future.done()

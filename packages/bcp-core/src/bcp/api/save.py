@@ -41,7 +41,7 @@ from bcp.engine.writer_process import storage_for_process
 from bcp.errors import CheckpointError
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.piece import Piece
-from bcp.layout.shards import is_tensor_value
+from bcp.layout.shards import is_dtensor, is_tensor_value
 from bcp.layout.references import generation_dir
 from bcp.layout.write_plan import PieceWrite, ValueWrite
 from bcp.layout.write_report import RankWrites
@@ -225,7 +225,7 @@ class _Stepped:
 
 
 def _storage_of(tensor: torch.Tensor) -> tuple[torch.device, int]:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
+    local = tensor.to_local() if is_dtensor(tensor) else tensor  # a DTensor: this rank's shard
     return local.device, local.untyped_storage().data_ptr()
 
 

@@ -52,8 +52,10 @@ class SnapshotCopy:
         """After :meth:`wait`: the copy's error, if it failed."""
         return self._error
 
-    def remove_hooks(self) -> None:
-        """Take the optimizers' hooks out (on the training thread, outside an optimizer step)."""
+    def finish(self) -> None:
+        """Wait for the copy, then take the optimizers' hooks out (on the training thread, outside an
+        optimizer step)."""
+        self.wait()
         with self._lock:
             hooks, self._hooks = self._hooks, []
         for hook in hooks:
@@ -93,5 +95,4 @@ class PendingSnapshots:
         with self._lock:
             copies, self._copies = self._copies, []
         for copy in copies:
-            copy.wait()
-            copy.remove_hooks()
+            copy.finish()
