@@ -386,3 +386,22 @@ def test_a_bcp_that_reads_only_earlier_versions_refuses_a_version_4_checkpoint(t
     monkeypatch.setattr(manifest, "SUPPORTED_VERSIONS", (1, 2, 3))
     with pytest.raises(bcp.FormatVersionError, match="format version 4 is not readable by this bcp"):
         bcp.load(tmp_path, {"w": torch.zeros(CHUNK, dtype=torch.bfloat16)}, metrics_log=False)
+
+
+def load_whole_read_once(path: str) -> tuple[bool, int]:
+    """Every rank loads the whole of ``w`` with ``read_once``: whether it is bitwise right, and the
+    stored bytes this rank read."""
+    full = trained_like_state()["w"]
+    live = {"model": {"w": torch.zeros_like(full)}}
+    storage = CountedReads(path)
+    bcp.load(storage, live, read_once=True, metrics_log=False)
+    return torch.equal(live["model"]["w"], full), sum(n for _, _, n in storage.reads)
+
+
+def test_replicas_read_once_share_decoded_bytes(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    save_rows(path, 1)
+    results = ranks(2).run(load_whole_read_once, path)
+    stored = read_manifest(path).tensors["model/w"].shards[0].bytes.stored_nbytes
+    assert [right for right, _ in results] == [True, True]
+    assert sum(nbytes for _, nbytes in results) == stored  # read by one rank, received by the other
