@@ -7,10 +7,13 @@ ones bit for bit, and a failed load changes neither values nor memory."""
 from __future__ import annotations
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
 import bcp
+from bcp.api.checkpoint import open_checkpoint
+from bcp.engine import read_segments
 
 WIDTH = 32
 
@@ -124,13 +127,16 @@ def _live(kind: str, tmp_path) -> tuple[torch.Tensor, object]:
     if kind == "torch.load":
         torch.save(tensor, tmp_path / "t.pt")
         return torch.load(tmp_path / "t.pt", weights_only=True), None
+    if kind == "safetensors":
+        safetensors.torch.save_file({"t": tensor}, tmp_path / "t.safetensors")
+        return safetensors.torch.load_file(tmp_path / "t.safetensors")["t"], None
     return tensor, None
 
 
-@pytest.mark.parametrize("kind", ["own", "shared memory", "numpy view", "torch.load"])
+@pytest.mark.parametrize("kind", ["own", "shared memory", "numpy view", "torch.load", "safetensors"])
 def test_memory_that_others_may_see_is_copied_into_and_the_rest_exchanged(tmp_path, kind):
     """Memory only torch's allocator holds is exchanged (the tensor's address changes); memory
-    shared with other processes, viewed by numpy or made outside the allocator (a file's loader) is
+    shared with other processes, viewed by numpy or made outside the allocator (torch.load's, safetensors') is
     copied into, so whoever else sees it sees the loaded values."""
     saved = torch.arange(1 << 14, dtype=torch.float32)
     bcp.save(tmp_path / "ckpt", {"w": saved})
@@ -141,3 +147,29 @@ def test_memory_that_others_may_see_is_copied_into_and_the_rest_exchanged(tmp_pa
     assert (live.data_ptr() != address) == (kind == "own")
     if array is not None:
         assert array.tolist() == saved.tolist()  # the numpy array sees the loaded values
+
+
+def test_a_reader_checking_one_batch_while_reading_the_next_places_every_byte(monkeypatch):
+    """One reader thread, a column slice through scratch memory in several batches (from a storage
+    that hands out no buffers of its own): each batch is verified and copied out of its scratch
+    buffer while the next is read into the other one; bitwise."""
+    monkeypatch.setattr(read_segments, "READ_PART_BYTES", 8 << 20)  # a few batches of a 16 MiB tensor
+    saved = torch.randn(4096, 1024)
+    bcp.save("memory://identity/batches", {"t": saved})
+    checkpoint = open_checkpoint("memory://identity/batches", io_threads=1)
+    assert torch.equal(checkpoint.read("t", (slice(None), slice(5, 700))), saved[:, 5:700])
+
+
+def test_a_damaged_batch_found_while_the_next_is_read_fails_the_load_and_places_nothing(tmp_path):
+    """One reader thread over four files: the flipped byte lies in the first file's batch, checked
+    while the reader goes on to the next file; the load fails and no live tensor moves."""
+    saved = {f"w{i}": torch.full((1 << 16,), float(i)) for i in range(4)}
+    bcp.save(tmp_path, saved, io_threads=4)
+    first = min(tmp_path.glob("gen-*/data/*.bin"))
+    raw = bytearray(first.read_bytes())
+    raw[100] ^= 0xFF
+    first.write_bytes(bytes(raw))
+    live = {name: torch.full((1 << 16,), -1.0) for name in saved}
+    with pytest.raises(bcp.CorruptCheckpointError, match="checksum mismatch"):
+        bcp.load(tmp_path, live, io_threads=1)
+    assert all(torch.all(tensor == -1) for tensor in live.values())
