@@ -47,8 +47,12 @@ def retrieve(tag: str, checkout: Path | None) -> None:
         if checkout is not None:
             shutil.copyfile(checkout / name, target)
         else:
-            with urllib.request.urlopen(RAW.format(tag=tag, path=name), timeout=60) as response:
-                target.write_bytes(response.read())
+            url = RAW.format(tag=tag, path=name)
+            try:
+                with urllib.request.urlopen(url, timeout=60) as response:
+                    target.write_bytes(response.read())
+            except OSError as error:
+                raise SystemExit(f"cannot download {url} ({error}): copy them from a checkout with --from") from error
     (UPSTREAM / "SOURCE").write_text(f"{checkout or RAW.format(tag=tag, path='')}\n")
     print(f"retrieved {len(FILES)} files into {UPSTREAM}")
 
