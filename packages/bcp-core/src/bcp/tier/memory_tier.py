@@ -20,6 +20,7 @@ from bcp.coord.consensus import Outcome, all_agree
 from bcp.errors import CheckpointError, CheckpointNotCommittedError, CheckpointNotFoundError
 from bcp.storage import LocalStorage, Storage, is_url
 from bcp.tier.commit import Persistence, TierCommit
+from bcp.tier.file_staging import InGenerationFiles
 from bcp.tier.local import Held, NodeLocation, agree_on_generation, census, node_folder
 from bcp.tier.peer_source import PeerSource
 from bcp.tier.placement import Placement, launcher_node, node_of, split_shared_hosts
@@ -87,7 +88,10 @@ class MemoryTier:
 
         persistence = None if self.persistent is None else \
             Persistence(self.persistent, self.persist_every, options.role, options.keep_generations)
-        return save_at(self.display, locate, state, _no_log_beside(options), TierCommit(placement, persistence))
+        # A compressed save's files are written by the writer door, which compresses what was staged.
+        stage_in = None if getattr(options, "compression", None) else InGenerationFiles
+        return save_at(self.display, locate, state, _no_log_beside(options), TierCommit(placement, persistence),
+                       stage_in)
 
     def load_wanted(self, want: Want, options: LoadOptions) -> LoadResult:
         if options.generation is not None:
