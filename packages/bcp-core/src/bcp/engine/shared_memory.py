@@ -74,9 +74,10 @@ class MappedFile:
         """The file holds ``nbytes`` (at most its capacity), its blocks allocated."""
         if nbytes > self.capacity:
             raise ValueError(f"{self.path}: {nbytes} bytes do not fit a mapping of {self.capacity}")
+        size = os.fstat(self.fd).st_size
         os.ftruncate(self.fd, nbytes)
-        if nbytes:
-            os.posix_fallocate(self.fd, 0, nbytes)
+        if nbytes > size:  # only the new part: allocating 384 MiB again took 15-34 ms on /dev/shm here
+            os.posix_fallocate(self.fd, size, nbytes - size)
 
     def close(self) -> None:
         """Unmapped once no tensor views it; the file stays (unlink it to give its memory back)."""
