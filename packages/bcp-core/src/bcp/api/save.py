@@ -4,7 +4,8 @@ asynchronous one returns once its tensors are staged in host memory and commits 
 
 The phases: collect (the adapter turns the state into tensor pieces and encoded values), plan (the
 global plan, reused from the plan cache when nothing changed), stage (asynchronous saves only: the
-pieces are copied to host buffers), then the writer door (write, commit)."""
+pieces are copied to host buffers, or where the target stages them: a memory tier, into its new
+generation's files), then the writer door (write, commit)."""
 
 from __future__ import annotations
 
