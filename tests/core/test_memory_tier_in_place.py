@@ -5,7 +5,7 @@ copy each): the pool allocates nothing and no writer process starts, each data f
 the very file it has mapped, loads are bitwise (from the node's own files and from a peer's copy),
 and the files and bytes in the node folders are the same after 10 saves and after 40. Tensors in
 accelerator memory (a simulated accelerator) are copied into the files through the pinned chunks.
-A save that fails midway (a tmpfs that fills up while it is written) leaves the committed
+A staging file takes a new save only once its generation let go of it. A save that fails midway (a tmpfs that fills up while it is written) leaves the committed
 generation loadable, and the next save commits."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import bcp
+from bcp.engine.staging_files import StagingFiles
 from bcp.integration import reset_runtime, runtime
 from models import assert_bitwise, build, full_state, rank, train
 from simulated_accelerator import QUEUED, REGISTERED, TO_HOST, SimulatedAccelerator
@@ -167,3 +168,27 @@ def test_tensors_in_accelerator_memory_are_copied_into_the_generation_files(tmp_
     finally:
         bcp.shutdown()
         accelerator.close()
+
+
+def test_a_staging_file_is_reused_only_once_its_generation_let_go_of_it(tmp_path):
+    staging, generations = tmp_path / "staging", tmp_path / "generations"
+    generations.mkdir()
+    files = StagingFiles()
+    first = files.take(str(staging), 0, 4096, str(generations / "1.bin"))
+    first.tensor.fill_(1)
+    files.give_back(first)
+    second = files.take(str(staging), 0, 4096, str(generations / "2.bin"))  # generation 1 still links the first
+    assert second is not first and (generations / "1.bin").read_bytes() == bytes([1]) * 4096
+    files.give_back(second)
+    (generations / "1.bin").unlink()  # generation 1 retired
+    assert files.take(str(staging), 0, 4096, str(generations / "3.bin")) is first
+    assert files.take(str(staging), 0, 4096, str(generations / "4.bin"), limit=2) is None  # both hold a generation
+    # A restarted process of the same rank (this one killed: nothing cleared) removes the names its
+    # predecessor left; the generations that link them keep their bytes.
+    restarted = StagingFiles()
+    fresh = restarted.take(str(staging), 0, 4096, str(generations / "5.bin"))
+    assert sorted(p.name for p in staging.iterdir()) == ["rank-00000-0.bin"]
+    assert (generations / "3.bin").stat().st_nlink == 1 and (generations / "3.bin").read_bytes() == bytes([1]) * 4096
+    assert os.stat(fresh.path).st_ino == (generations / "5.bin").stat().st_ino != (generations / "3.bin").stat().st_ino
+    restarted.clear()
+    assert not list(staging.iterdir()) and (generations / "5.bin").exists()

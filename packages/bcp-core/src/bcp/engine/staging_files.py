@@ -7,8 +7,8 @@ holds. Its bytes are that data file's: no second copy in host memory, and no pag
 A file holds a generation as long as that generation keeps its link: once the generation is
 retired (a newer one committed) or discarded (its save failed), the file's own name is its only
 one (link count 1) and it takes the next save that fits. So a process holds as many files as
-generations of its own are kept or in flight (the committed one and those being saved, at most
-``HostBufferPool.max_sets``), whatever the number of saves.
+generations of its own are kept or in flight, whatever the number of saves: the committed one and
+those being saved (``take``'s ``limit``: a caller past it waits for the commits in flight).
 
 Files of an earlier process of the same rank (one that was killed) are unlinked when this process
 first stages in that folder: the generations linking them keep their bytes until they are retired.
