@@ -49,6 +49,12 @@ class SharedHostBuffer:
         self.fd = -1
 
 
+def mapped_files_available() -> bool:
+    """Whether this platform allocates a file's blocks ahead (``posix_fallocate``), which
+    :class:`MappedFile` needs (Linux)."""
+    return hasattr(os, "posix_fallocate")
+
+
 class MappedFile:
     """A named file of ``nbytes`` mapped shared (``tensor``, uint8): what is copied into the mapping
     is the file's content, with no write between the two. Its blocks are allocated when it is

@@ -17,6 +17,7 @@ from bcp.api.results import LoadResult, SaveHandle
 from bcp.api.save import save_at
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree
+from bcp.engine.shared_memory import mapped_files_available
 from bcp.errors import CheckpointError, CheckpointNotCommittedError, CheckpointNotFoundError
 from bcp.storage import LocalStorage, Storage, is_url
 from bcp.tier.commit import Persistence, TierCommit
@@ -89,7 +90,8 @@ class MemoryTier:
         persistence = None if self.persistent is None else \
             Persistence(self.persistent, self.persist_every, options.role, options.keep_generations)
         # A compressed save's files are written by the writer door, which compresses what was staged.
-        stage_in = None if getattr(options, "compression", None) else InGenerationFiles
+        in_place = mapped_files_available() and not getattr(options, "compression", None)
+        stage_in = InGenerationFiles if in_place else None
         return save_at(self.display, locate, state, _no_log_beside(options), TierCommit(placement, persistence),
                        stage_in)
 
