@@ -7,6 +7,7 @@ safetensors and the disk's own floors, on one state, in one run; prints the targ
     .venv/bin/python benchmarks/run.py --full --only distributed --cases "2 -> 1 case"
     .venv/bin/python benchmarks/run.py --only tensors     # the tensor path alone (512 MB; 1 GB with --full)
     .venv/bin/python benchmarks/run.py --only every-step  # a save at every step of a training loop
+    .venv/bin/python benchmarks/run.py --only cold-floor  # cold loads of plain dicts vs the raw read (896 MB)
 
 Each group of cases runs in fresh processes (1 process; 2 gloo processes; 1 process for memory;
 the tensor path's 1 and 2 gloo processes; 1 process for incremental saves of a 1 GB fine-tuning
@@ -30,7 +31,7 @@ import tempfile
 import time
 from importlib import metadata
 
-from bcpbench import distributed, every_step, incremental, memory, single, tensor_path
+from bcpbench import cold_floor, distributed, every_step, incremental, memory, single, tensor_path
 from bcpbench.disk import free_bytes, remove
 from bcpbench.launch import launch
 from bcpbench.record import Record
@@ -39,15 +40,18 @@ from bcpbench.state import gpt_shapes, shapes_nbytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROFILES = {
-    "quick": {"size_mb": 256, "reps": 5, "small_tensors": 1000, "tensor_path_mb": 512, "timeout_s": 1800,
+    # cold_floor_mb: each plain-dict state of the cold loads next to the raw read into the live tensors
+    "quick": {"size_mb": 256, "reps": 5, "small_tensors": 1000, "tensor_path_mb": 512, "cold_floor_mb": 896,
+              "timeout_s": 1800,
               # 192 MiB of parameters and AdamW moments, a step of ~170 ms on one core: about 40 s (a
               # smaller step is dominated by each save's fixed costs on a loaded 2-core machine)
               "every_step": {"width": 2048, "layers": 4, "batch": 128, "steps": 8, "rounds": 3, "saves": 60}},
-    "full": {"size_mb": 2048, "reps": 5, "small_tensors": 2000, "tensor_path_mb": 1024, "timeout_s": 7200,
+    "full": {"size_mb": 2048, "reps": 5, "small_tensors": 2000, "tensor_path_mb": 1024, "cold_floor_mb": 2048,
+             "timeout_s": 7200,
              # 384 MiB of parameters and AdamW moments, a step of 210-340 ms on one core: about 7 min
              "every_step": {"width": 2048, "layers": 8, "batch": 128, "steps": 12, "rounds": 3, "saves": 1000}},
 }
-GROUPS = ("single", "distributed", "memory", "tensors", "incremental", "every-step", "planning")
+GROUPS = ("single", "distributed", "memory", "tensors", "cold-floor", "incremental", "every-step", "planning")
 
 
 def parse() -> argparse.Namespace:
@@ -82,7 +86,8 @@ def main() -> None:
               "dcp_threads": args.dcp_threads, "small_tensors": settings["small_tensors"], "small_floats": 256,
               "fsdp1_bytes": size_bytes, "saves": args.saves, "cases": args.cases,
               "every_step": settings["every_step"],
-              "tensor_path_bytes": int((args.size_mb or settings["tensor_path_mb"]) * (1 << 20))}
+              "tensor_path_bytes": int((args.size_mb or settings["tensor_path_mb"]) * (1 << 20)),
+              "cold_floor_bytes": int((args.size_mb or settings["cold_floor_mb"]) * (1 << 20))}
     _check_room(workdir, size_bytes)
     started, load_before, disk_before = time.time(), _load(), free_bytes(workdir)
     try:
@@ -122,6 +127,7 @@ def _run_groups(only: list[str], config: dict, timeout_s: float) -> Record:
     record = Record()
     for name, fn, world in (("single", single.run, 1), ("distributed", distributed.run, 2), ("memory", memory.run, 1),
                             ("tensors", tensor_path.one_process, 1), ("tensors", tensor_path.two_processes, 2),
+                            ("cold-floor", cold_floor.run, 1),
                             ("incremental", incremental.run, 1), ("every-step", every_step.run, 1)):
         if name in only:
             print(f"[bench] {name}: {world} process(es), {config['reps']} reps", flush=True)

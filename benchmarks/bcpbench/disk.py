@@ -62,14 +62,22 @@ def files_under(directory: str, prefix: str = "") -> list[str]:
 
 
 def read_file(path: str, dest: memoryview) -> None:
+    read_file_into(path, [dest])
+
+
+def read_file_into(path: str, dests: list[memoryview]) -> None:
+    """Read ``path`` from its start into ``dests``, one after another."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        offset = 0
-        while offset < dest.nbytes:
-            got = os.preadv(fd, [dest[offset: offset + IO_CHUNK]], offset)
-            if got == 0:
-                raise EOFError(f"{path} ends at byte {offset}, {dest.nbytes} expected")
-            offset += got
+        start = 0
+        for dest in dests:
+            offset = 0
+            while offset < dest.nbytes:
+                got = os.preadv(fd, [dest[offset: offset + IO_CHUNK]], start + offset)
+                if got == 0:
+                    raise EOFError(f"{path} ends at byte {start + offset}, {start + dest.nbytes} expected")
+                offset += got
+            start += dest.nbytes
     finally:
         os.close(fd)
 
@@ -85,6 +93,13 @@ def raw_read(paths: list[str], dest: torch.Tensor, threads: int) -> int:
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(paths)))) as pool:
         list(pool.map(lambda i: read_file(paths[i], view[starts[i]: starts[i] + sizes[i]]), range(len(paths))))
     return sum(sizes)
+
+
+def read_files_into(paths: list[str], dests: list[list[memoryview]]) -> None:
+    """Read each file, from its start, into its list of buffers one after another: one thread per
+    file, all at once (the floor of a load into live tensors of their own storage)."""
+    with ThreadPoolExecutor(max_workers=max(1, len(paths))) as pool:
+        list(pool.map(read_file_into, paths, dests))
 
 
 def fsync_tree(directory: str, evict: bool = False) -> None:

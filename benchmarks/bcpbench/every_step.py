@@ -159,8 +159,10 @@ def _growth(savers: Savers, model: nn.Module, optimizer: torch.optim.Optimizer, 
 
 
 def _folder_bytes(path: str) -> int:
-    """Bytes the folder's files occupy (allocated blocks: what they hold of memory on tmpfs)."""
-    return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(path) for f in files)
+    """Bytes the folder's files occupy (allocated blocks: what they hold of memory on tmpfs), each
+    file once however many names it has (a tier's data file is also a staging file)."""
+    stats = (os.stat(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    return sum({stat.st_ino: stat.st_blocks * 512 for stat in stats}.values())
 
 
 def _used_bytes(path: str) -> int:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bcpbench import distributed as d2
-from bcpbench import every_step, fsdp1, incremental
+from bcpbench import cold_floor, every_step, fsdp1, incremental
 from bcpbench import single as d1
 from bcpbench import tensor_path as tp
 from bcpbench.methods import FIRST_SAVE
@@ -40,7 +40,7 @@ def blocks(record: Record, run: dict[str, Any]) -> dict[str, tuple[str, list[str
         "run": ("How this was measured", lambda: _run_facts(run)),
         "targets": ("Targets", lambda: _targets(record, run)),
         "save": ("Saving", lambda: _cases(record, SAVES)),
-        "load": ("Loading", lambda: _cases(record, LOADS)),
+        "load": ("Loading", lambda: _cases(record, LOADS) + cold_floor.report_lines(record)),
         "async": ("Async save", lambda: _cases(record, ASYNC) + _memory(record)),
         "fsdp1": ("FSDP1 save", lambda: _cases(record, FSDP1) + _fsdp1_figures(record)),
         "tensors": ("Where the tensors are held", lambda: _tensor_path(record)),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from bcpbench import cold_floor as floor
 from bcpbench import distributed as d2
 from bcpbench import every_step as every
 from bcpbench import incremental as inc
@@ -86,6 +87,9 @@ def checks(record: Record, scale: dict | None = None) -> list[Check]:
     for case in (d1.COLD, d2.COLD_SAME, d2.RESHARDED, d2.TO_ONE, d2.ROWS_FROM_COLUMNS):
         out.append(Check("cold load vs raw cold read", case,
                          ratio(floor_seconds(record, case), record.median(case, BCP)), 0.9, True))
+    for case in floor.CASES:
+        out.append(Check("cold load with the defaults vs raw cold read into the live tensors", case,
+                         ratio(record.median(case, floor.RAW), record.median(case, floor.BCP)), 0.9, True))
     for case in (d1.WARM, d2.WARM_SAME):
         out.append(Check("warm load vs memcpy of the state", case,
                          ratio(record.median(case, MEMCPY), record.median(case, BCP)), 0.8, True))

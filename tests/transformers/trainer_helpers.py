@@ -104,7 +104,7 @@ def fit(output_dir: str, engine_name: str | None = "bcp", resume: "str | bool | 
     with engine(engine_name):
         built = trainer(output_dir, recorder, **(arguments or {}))
         if (arguments or {}).get("fsdp"):
-            on_fsdp2(built)
+            on_fsdp(built)
         if enabled is not None:
             bcp_transformers.enable(built, **enabled)
         built.train(resume_from_checkpoint=resume)
@@ -113,14 +113,18 @@ def fit(output_dir: str, engine_name: str | None = "bcp", resume: "str | bool | 
                 "best_step": built.state.best_global_step}
 
 
-def on_fsdp2(built: Trainer) -> None:
-    """The trainer's accelerator set to FSDP2. Accelerate selects FSDP only on GPUs and other
-    accelerators; on the CPU it falls back to DDP. Setting the distributed type its launcher sets
-    there lets accelerate's own FSDP2 preparation (``fully_shard``, the optimizer's parameter swap)
-    and the Trainer's FSDP code paths run on gloo."""
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-    PartialState().distributed_type = DistributedType.FSDP
-    built.accelerator.state.distributed_type = DistributedType.FSDP
+def on_fsdp(built: Trainer) -> None:
+    """The trainer's accelerator set to FSDP with the plugin the Trainer configures from its
+    ``fsdp`` and ``fsdp_config`` arguments (``version`` 1 or 2). Accelerate selects FSDP only on
+    GPUs and other accelerators; on the CPU it falls back to DDP and drops the plugin. Setting the
+    distributed type its launcher sets there, and the Trainer's plugin, lets accelerate's own FSDP
+    preparation and the Trainer's FSDP code paths run on gloo. The device is the plain ``cpu``:
+    accelerate's ``cpu:0`` of several CPU processes fails FSDP1's check that its ``device_id`` is
+    the device it computes on (``cpu``)."""
+    plugin = FullyShardedDataParallelPlugin(**built.args.fsdp_plugin_args)
+    for state in (PartialState(), built.accelerator.state):  # two copies of one state
+        state.distributed_type = DistributedType.FSDP
+        state.device = torch.device("cpu")
     built.accelerator.state.fsdp_plugin = plugin
     built.is_fsdp_enabled = True
 

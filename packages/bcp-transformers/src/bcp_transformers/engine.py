@@ -20,7 +20,7 @@ import torch
 from transformers import Trainer
 
 import bcp
-from bcp import CheckpointError, CheckpointNotCommittedError, MismatchError
+from bcp import CheckpointError, CheckpointNotCommittedError, CheckpointNotFoundError, MismatchError
 from bcp_transformers import folders, positions, rng
 from bcp_transformers.folders import Contents
 from bcp_transformers.options import options_of
@@ -234,6 +234,9 @@ def load_rng_state(original: Callable[..., Any], trainer: Trainer, checkpoint: s
 
 def checked_contents(folder: str) -> Contents:
     kind = folders.contents(folder)
+    if kind is Contents.NONE:
+        # The Trainer's own wording first, which scripts and tests match.
+        raise CheckpointNotFoundError(f"Can't find a valid checkpoint at this path: it holds {kind.value}", path=folder)
     if kind is Contents.INCOMPLETE:
         raise CheckpointNotCommittedError(f"cannot resume: the folder holds {kind.value}", path=folder)
     return kind

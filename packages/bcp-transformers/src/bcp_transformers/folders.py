@@ -29,16 +29,23 @@ class Contents(enum.Enum):
     BCP = "a committed bcp checkpoint"
     TRANSFORMERS = "a checkpoint of the Trainer's own engine"
     INCOMPLETE = "no whole checkpoint (a save in flight or interrupted)"
+    NONE = "no checkpoint (neither a bcp checkpoint nor the Trainer's own files)"
 
 
 def contents(folder: str) -> Contents:
     location = checkpoint_location(folder, None)
     if location.newest_committed() is not None:
         return Contents.BCP
-    names = set(os.listdir(folder)) if os.path.isdir(folder) else set()
-    if not location.generations() and TRAINER_STATE_NAME in names and names & set(_TRAINER_FILES):
-        return Contents.TRANSFORMERS
-    return Contents.INCOMPLETE
+    names = set(_names(folder))
+    trainer_files = names & set(_TRAINER_FILES)
+    if location.generations():
+        return Contents.INCOMPLETE
+    if trainer_files:
+        return Contents.TRANSFORMERS if TRAINER_STATE_NAME in names else Contents.INCOMPLETE
+    return Contents.NONE
+
+
+_WHOLE = (Contents.BCP, Contents.TRANSFORMERS)
 
 
 def newest_resumable(output_dir: str) -> str:
@@ -46,10 +53,12 @@ def newest_resumable(output_dir: str) -> str:
     found = [(int(m.group(1)), name) for name in _names(output_dir) if (m := _NUMBERED.match(name))]
     for _, name in sorted(found, reverse=True):
         folder = os.path.join(output_dir, name)
-        if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)) and contents(folder) is not Contents.INCOMPLETE:
+        if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)) and contents(folder) in _WHOLE:
             return folder
-    raise CheckpointNotFoundError(f"resume_from_checkpoint=True: no {PREFIX_CHECKPOINT_DIR}-<step> folder holds a "
-                                  "whole checkpoint", path=output_dir)
+    # The Trainer's own wording first, which scripts and tests match.
+    raise CheckpointNotFoundError(f"No valid checkpoint found in output directory: resume_from_checkpoint=True "
+                                  f"found no {PREFIX_CHECKPOINT_DIR}-<step> folder holding a whole checkpoint",
+                                  path=output_dir)
 
 
 def _names(folder: str) -> list[str]:

@@ -4,14 +4,16 @@ asynchronous one returns once its tensors are staged in host memory and commits 
 
 The phases: collect (the adapter turns the state into tensor pieces and encoded values), plan (the
 global plan, reused from the plan cache when nothing changed), stage (asynchronous saves only: the
-pieces are copied to host buffers), then the writer door (write, commit)."""
+pieces are copied to host buffers, or where the target stages them: a memory tier, into its new
+generation's files), then the writer door (write, commit)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 from torch import nn
@@ -86,11 +88,30 @@ Commit = Callable[[Coordinator, GenerationWriter, Outcome, Callable[[list[RankWr
                    "Monitor | None"], None]
 
 
+class Staging(Protocol):
+    """Where an asynchronous save of one rank stages its pieces, and what writes them from there."""
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of ``nbytes`` the pieces are copied into (``staging.place``)."""
+
+    def release(self, buffer: torch.Tensor, *, copied_from: torch.device | None = None) -> None:
+        """The save's writes from ``buffer`` are done (or failed)."""
+
+    def writer(self, buffer: torch.Tensor, abandon: threading.Event) -> GenerationWriter:
+        """The writer of the save's generation, writing the pieces staged in ``buffer``."""
+
+
+#: The staging of a target that stages in its own way (a memory tier, in its new generation's files),
+#: made for each asynchronous save from the process's runtime, the location, the generation and the rank.
+StageIn = Callable[[Runtime, Location, int, int], Staging]
+
+
 def save_at(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], options: SaveOptions,
-            commit: Commit) -> SaveHandle:
+            commit: Commit, stage_in: StageIn | None = None) -> SaveHandle:
     """Collective: ``bcp.save`` into the location ``locate()`` gives (called on every rank), committed
     by ``commit`` (sync: on this thread; async: on the background lane's commit thread, with the
-    sibling coordinator). ``path`` is what the caller named, for the metrics record."""
+    sibling coordinator, staged by ``stage_in``'s staging where given, else in the runtime's pool).
+    ``path`` is what the caller named, for the metrics record."""
     check_keys(state)
     if options.async_writer not in ("process", "threads"):
         raise CheckpointError(f"async_writer must be 'process' or 'threads', not {options.async_writer!r}")
@@ -104,7 +125,7 @@ def save_at(path: Any, locate: Callable[[], Location], state: Mapping[str, Any],
                       options.summary_log_level)
     with paused_gc():
         try:
-            return _save(path, locate, state, options, coord, runtime(), stats, monitor, commit)
+            return _save(path, locate, state, options, coord, runtime(), stats, monitor, commit, stage_in)
         except BaseException as exc:
             monitor.fail(None, exc)  # no-op where the writer door recorded it, and on ranks other than 0
             raise
@@ -117,7 +138,8 @@ def wait_pending_saves() -> None:
 
 
 def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], options: SaveOptions,
-          coord: Coordinator, rt: Runtime, stats: PhaseStats, monitor: Monitor, commit: Commit) -> SaveHandle:
+          coord: Coordinator, rt: Runtime, stats: PhaseStats, monitor: Monitor, commit: Commit,
+          stage_in: StageIn | None) -> SaveHandle:
     """The steps: collect, plan (agree on it, then resolve this rank's writes), then write now
     (synchronous) or stage and hand the writes to the background lane (asynchronous)."""
     monitor.begin(path)
@@ -145,14 +167,14 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
                                           on_report=writes.on_report), writes.manifest_of, stats, monitor)
         return SaveHandle(location.display, agreed.generation, stats, monitor=monitor)
     label = f"{location.display} (generation {agreed.generation})"
+    staging = _PoolStaging(rt, location, agreed.generation, options) if stage_in is None else \
+        stage_in(rt, location, agreed.generation, coord.rank)
     with stats.phase("stage"):  # everything the training thread does before it gets control back
-        staged = _Staged.of(coord, writes, tensors, copies, rt, stepped, label)
-    writer = GenerationWriter(location, agreed.generation, threads=options.io_threads, background=True,
-                              abandon=rt.background.abandon, in_process=_in_process(rt, location, staged.buffer, options),
-                              compression=options.compression)
+        staged = _Staged.of(coord, writes, tensors, copies, rt, staging, stepped, label)
+    writer = staging.writer(staged.buffer, rt.background.abandon)
     monitor.returned()  # the caller gets control back: the blocking time ends here
-    background = _BackgroundSave(staged, writer, writes.manifest_of, writes.on_report, rt, stats, monitor, commit,
-                                 stats.now())
+    background = _BackgroundSave(staged, writer, writes.manifest_of, writes.on_report, staging, stats, monitor,
+                                 commit, stats.now())
     job = rt.background.submit(background.write, background.commit, label=label)
     return SaveHandle(location.display, agreed.generation, stats, job, monitor, staged.snapshot)
 
@@ -247,10 +269,10 @@ class _Staged:
 
     @staticmethod
     def of(coord: Coordinator, writes: _RankWrites, tensors: list[torch.Tensor], copies: ChunkedCopies,
-           rt: Runtime, stepped: _Stepped | None, label: str) -> "_Staged":
+           rt: Runtime, staging: Staging, stepped: _Stepped | None, label: str) -> "_Staged":
         background_coord = coord.sibling()  # collective: before the background thread needs it
         values = [value.snapshot() for value in writes.values]
-        buffer = rt.buffers.acquire(staged_nbytes(writes.pieces))
+        buffer = staging.acquire(staged_nbytes(writes.pieces))
         try:
             pieces, pairs = place(writes.pieces, buffer)
             stepped_by = [stepped is not None and stepped.writes(tensor) for _, tensor in pairs]
@@ -258,7 +280,7 @@ class _Staged:
             later = [pair for pair, by_optimizer in zip(pairs, stepped_by) if by_optimizer]
             snapshot = SnapshotCopy(later, copies, stepped.optimizers, label) if later else None
         except BaseException:
-            rt.buffers.release(buffer)
+            staging.release(buffer)
             raise
         if snapshot is not None:
             rt.background.snapshots.add(snapshot)
@@ -287,7 +309,7 @@ class _BackgroundSave:
     writer: GenerationWriter
     manifest_of: Callable[[list[RankWrites]], Manifest]
     on_report: Callable[[RankWrites], None] | None
-    rt: Runtime
+    staging: Staging
     stats: PhaseStats
     monitor: Monitor
     commit_barrier: Commit
@@ -304,11 +326,33 @@ class _BackgroundSave:
             return write_share(staged.coord.rank, self.writer, staged.pieces, staged.values, self.stats,
                                monitor=self.monitor, on_report=self.on_report)
         finally:  # durable: the next save may stage into it, whatever the barrier does
-            self.rt.buffers.release(staged.buffer, copied_from=staged.copied_from)
+            self.staging.release(staged.buffer, copied_from=staged.copied_from)
 
     def commit(self, report: Outcome) -> None:
         self.stats.add("queue", self.stats.spans[-1][2], self.stats.now())  # from the end of this save's write
         self.commit_barrier(self.staged.coord, self.writer, report, self.manifest_of, self.stats, self.monitor)
+
+
+@dataclass(frozen=True, slots=True)
+class _PoolStaging:
+    """Staging in the runtime's pool of host buffers, written by the writer door (from the writer
+    process where it takes the save)."""
+
+    rt: Runtime
+    location: Location
+    generation: int
+    options: SaveOptions
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        return self.rt.buffers.acquire(nbytes)
+
+    def release(self, buffer: torch.Tensor, *, copied_from: torch.device | None = None) -> None:
+        self.rt.buffers.release(buffer, copied_from=copied_from)
+
+    def writer(self, buffer: torch.Tensor, abandon: threading.Event) -> GenerationWriter:
+        return GenerationWriter(self.location, self.generation, threads=self.options.io_threads, background=True,
+                                abandon=abandon, in_process=_in_process(self.rt, self.location, buffer, self.options),
+                                compression=self.options.compression)
 
 
 def _in_process(rt: Runtime, location: Location, buffer: Any, options: SaveOptions) -> InProcess | None:

@@ -1,4 +1,5 @@
-"""I/O lanes: how the reader's worker threads share the batches, and each worker's scratch memory.
+"""I/O lanes: how the reader's worker threads share the batches, each worker's scratch memory, and
+the helper that finishes a worker's batch while it reads the next.
 
 A few worker threads take batches from per-file lanes: each worker streams through a file of its
 own, in file order, as a raw parallel read of the files would, and helps with the fullest lane once
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -68,3 +71,28 @@ class Scratch:
             slots.append(self.buffer[at: at + segment.nbytes] if segment.dests is None else None)
             at += size
         return slots
+
+
+class Overlapped:
+    """One step at a time on a helper thread, overlapping the caller's next step: ``then`` waits
+    for the previous step (raising its error) and starts the next; ``wait`` waits for the last.
+    Leaving the block waits for a step still running, so none outlives the caller's work."""
+
+    def __init__(self) -> None:
+        self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcp-read-finish")
+        self._running: Future | None = None
+
+    def then(self, step: Callable[[], None]) -> None:
+        self.wait()
+        self._running = self._helper.submit(step)
+
+    def wait(self) -> None:
+        running, self._running = self._running, None
+        if running is not None:
+            running.result()
+
+    def __enter__(self) -> "Overlapped":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._helper.shutdown(wait=True)

@@ -14,6 +14,11 @@ So a buffer starts pageable: its first save copies through the pool of pinned ch
 (``chunked_copies``: the host moves chunk k into place while the device copies chunk k+1), and
 once that save's write is done a thread of the pool page-locks (registers) the buffer, so the
 saves after it copy straight into it.
+
+A save staged elsewhere (a memory tier's, into the files of its new generation: ``staging_files``)
+holds one of the pool's ``max_sets`` places without a buffer (:meth:`HostBufferPool.hold_place`),
+so that no more saves are staged at once than the pool allows, whatever they stage in; the pool
+keeps those files too (``files``).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from bcp.engine.chunked_copies import ChunkedCopies, Pair
 from bcp.engine.device_copies import Accelerator
 from bcp.engine.shared_memory import SharedHostBuffer
+from bcp.engine.staging_files import StagingFiles
 from bcp.layout.write_plan import PieceWrite
 
 ALIGN = 64  # every staged piece starts on a 64-byte boundary: any dtype view of it is aligned
@@ -60,13 +66,12 @@ class HostBufferPool:
         self._registered: dict[int, tuple[int, torch.device]] = {}
         self._registering: list[threading.Thread] = []
         self._cond = threading.Condition()
+        #: The files saves stage in place (a memory tier's), kept from one save to the next.
+        self.files = StagingFiles()
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         with self._cond:
-            # A buffer being registered is about to be free, and pinned: better than a fresh one.
-            while self._in_use >= self.max_sets or self._registering:
-                self._cond.wait()
-            self._in_use += 1
+            self._wait_for_place()
             fitting = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fitting:  # by position: list.remove would compare tensors with ==, element by element
                 return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
@@ -81,6 +86,23 @@ class HostBufferPool:
                 self._allocated -= nbytes
                 self._cond.notify_all()
             raise
+
+    def hold_place(self) -> None:
+        """Take one of the ``max_sets`` places for a save staged outside the pool's buffers (blocks
+        while they are all in use); :meth:`free_place` gives it back."""
+        with self._cond:
+            self._wait_for_place()
+
+    def free_place(self) -> None:
+        with self._cond:
+            self._in_use -= 1
+            self._cond.notify_all()
+
+    def _wait_for_place(self) -> None:  # under the lock
+        # A buffer being registered is about to be free, and pinned: better than a fresh one.
+        while self._in_use >= self.max_sets or self._registering:
+            self._cond.wait()
+        self._in_use += 1
 
     def release(self, buffer: torch.Tensor, *, copied_from: torch.device | None = None) -> None:
         """The buffer is free again. One that took copies from the accelerator device
@@ -108,12 +130,14 @@ class HostBufferPool:
             return {shared.id for shared in self._shared.values()}
 
     def clear(self) -> None:
-        """Give back the memory of the buffers not in use (call it once no save is pending)."""
+        """Give back the memory of the buffers not in use, and the staging files' (call it once no
+        save is pending)."""
         with self._cond:
             while self._registering:
                 self._cond.wait()
             while self._free:
                 self._drop(self._free.pop())
+        self.files.clear()
 
     @property
     def allocated_bytes(self) -> int:

@@ -17,9 +17,11 @@ from bcp.api.results import LoadResult, SaveHandle
 from bcp.api.save import save_at
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree
+from bcp.engine.shared_memory import mapped_files_available
 from bcp.errors import CheckpointError, CheckpointNotCommittedError, CheckpointNotFoundError
 from bcp.storage import LocalStorage, Storage, is_url
 from bcp.tier.commit import Persistence, TierCommit
+from bcp.tier.file_staging import InGenerationFiles
 from bcp.tier.local import Held, NodeLocation, agree_on_generation, census, node_folder
 from bcp.tier.peer_source import PeerSource
 from bcp.tier.placement import Placement, launcher_node, node_of, split_shared_hosts
@@ -87,7 +89,11 @@ class MemoryTier:
 
         persistence = None if self.persistent is None else \
             Persistence(self.persistent, self.persist_every, options.role, options.keep_generations)
-        return save_at(self.display, locate, state, _no_log_beside(options), TierCommit(placement, persistence))
+        # A compressed save's files are written by the writer door, which compresses what was staged.
+        in_place = mapped_files_available() and not getattr(options, "compression", None)
+        stage_in = InGenerationFiles if in_place else None
+        return save_at(self.display, locate, state, _no_log_beside(options), TierCommit(placement, persistence),
+                       stage_in)
 
     def load_wanted(self, want: Want, options: LoadOptions) -> LoadResult:
         if options.generation is not None:
