@@ -88,6 +88,11 @@ class Checkpoint:
         its checksums when verifying)."""
         self._reader.read_range(where, start, dest, key)
 
+    def read_stored(self, where: ByteRange, start: int, dest: memoryview, key: str) -> None:
+        """Read ``dest.nbytes`` bytes of the range ``where`` as stored, from ``start`` (a multiple of
+        the checksum chunk), checking each chunk against the checksum of its stored bytes."""
+        self._reader.read_range(where, start, dest, key)
+
     def generations(self) -> list[tuple[int, bool]]:
         """Every generation under the path with its commit state, oldest first."""
         return [(g, self.location.is_committed(g)) for g in self.location.generations()]

@@ -19,6 +19,7 @@ from bcp.tools.build import PieceSource, ValueSource, write_checkpoint
 from bcp.tools.checkpoint import Checkpoint, open_checkpoint
 from bcp.tools.progress import Progress
 from bcp.tools.rules import CastRules, NameRules
+from bcp.tools.stored_copy import copy_stored
 
 
 @dataclass
@@ -53,8 +54,12 @@ def copy_checkpoint(src: "str | os.PathLike", out: "str | os.PathLike", *, role:
     """Copy one generation of ``src`` (the newest committed one, or ``generation``) to ``out`` as a
     checkpoint of its own: every byte it uses is read (checked against its checksum) and written
     anew, those an incremental save left in earlier generations included, so the copy refers to
-    nothing outside ``out``. The copy's shards, values and tied tensors are the source's."""
-    return edit_checkpoint(src, out, role=role, progress=progress, generation=generation)
+    nothing outside ``out``. The copy's shards, values and tied tensors are the source's, its
+    stored bytes too (compressed chunks are copied as stored)."""
+    checkpoint = open_checkpoint(src, role=role, generation=generation)
+    written = copy_stored(checkpoint, out, sources=[checkpoint.location.storage.root], progress=progress)
+    manifest = checkpoint.manifest
+    return EditResult(os.fspath(out), written, len(manifest.tensors), len(manifest.objects), 0)
 
 
 def remove_entries(path: "str | os.PathLike", names: Iterable[str], *, role: str | None = None,
