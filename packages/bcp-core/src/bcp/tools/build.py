@@ -15,6 +15,7 @@ import torch
 from bcp.api.location import resolve
 from bcp.api.results import PhaseStats
 from bcp.api.writing import write_generation
+from bcp.chunk_codecs import Compression
 from bcp.coord import SingleProcessCoordinator
 from bcp.engine.location import Location, generation_dir
 from bcp.engine.writer import GenerationWriter
@@ -75,12 +76,13 @@ class ValueSource:
 def write_checkpoint(out: "str | os.PathLike | Location", pieces: Sequence[PieceSource],
                      values: Sequence[ValueSource], *, note: str, framework: str = "plain", world_size: int = 1,
                      aliases: Mapping[str, str] | None = None, unsafe_pickle: bool = False,
-                     sources: Sequence["str | os.PathLike"] = (), progress: Progress | None = None,
-                     io_threads: int = 1) -> int:
+                     sources: Sequence["str | os.PathLike"] = (), compression: "Compression | str | bool | None" = None,
+                     progress: Progress | None = None, io_threads: int = 1) -> int:
     """Write a committed checkpoint at ``out`` (a new or empty folder, apart from every ``sources``
     path; or the location of an existing checkpoint, whose newest generation it becomes, with that
     location's retention after the commit) and return its generation. ``aliases`` (name -> name of a
-    piece's tensor) add entries that share another tensor's stored bytes, as tied weights do. A
+    piece's tensor) add entries that share another tensor's stored bytes, as tied weights do.
+    ``compression``: the codec the data is stored with (None: uncompressed), as ``bcp.save`` takes it. A
     failure removes what was written (never a committed generation). Memory holds about one piece
     per writer thread (``io_threads``, by default one)."""
     columns = PlanColumns([_local_plan(pieces)])

@@ -16,7 +16,7 @@ import time
 from typing import Callable, Iterator, Sequence
 
 from bcp.engine.location import Location
-from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry, TensorEntry, format_version
+from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry, TensorEntry
 from bcp.layout.references import copied_name
 from bcp.layout.shard_table import ShardEntry
 from bcp.tools.build import new_generation, showing
@@ -30,7 +30,7 @@ BLOCK_CHUNKS = 4
 #: Where a stored range lies: file index, offset and stored length.
 Place = tuple[int, int, int]
 #: A stored range, its stored length, and an entry it belongs to (named in errors).
-Stored = tuple[ByteRange, int, str]
+Range = tuple[ByteRange, int, str]
 
 
 def copy_stored(checkpoint: Checkpoint, out: "str | os.PathLike | Location", *, sources: Sequence[str],
@@ -48,24 +48,24 @@ def copy_stored(checkpoint: Checkpoint, out: "str | os.PathLike | Location", *, 
     return generation
 
 
-def _ranges(manifest: Manifest) -> dict[Place, Stored]:
+def _ranges(manifest: Manifest) -> dict[Place, Range]:
     """Every distinct stored range (tensors sharing bytes share one), in the order of its file and offset."""
-    found: dict[Place, Stored] = {}
+    found: dict[Place, Range] = {}
     for name, entry in manifest.tensors.items():
         for shard in entry.shards:
-            found.setdefault(_place(shard.bytes), (shard.bytes, _stored_span(shard.bytes), name))
+            found.setdefault(_place(shard.bytes), (shard.bytes, shard.bytes.stored_nbytes, name))
     for name, value in manifest.objects.items():
         for where, _ in value.records:
-            found.setdefault(_place(where), (where, _stored_span(where), name))
+            found.setdefault(_place(where), (where, where.stored_nbytes, name))
     return dict(sorted(found.items()))
 
 
-def _layout(manifest: Manifest, ranges: dict[Place, Stored]) -> tuple[list[str], list[list[Stored]], dict[Place, Place]]:
+def _layout(manifest: Manifest, ranges: dict[Place, Range]) -> tuple[list[str], list[list[Range]], dict[Place, Place]]:
     """The copy's data files (each source file that holds a range, under its name in a generation of
     its own), the ranges each receives, and each range's place in them: a file's ranges one after
     another."""
     files: list[str] = []
-    per_file: list[list[Stored]] = []
+    per_file: list[list[Range]] = []
     index: dict[int, int] = {}
     ends: list[int] = []
     places: dict[Place, Place] = {}
@@ -82,7 +82,7 @@ def _layout(manifest: Manifest, ranges: dict[Place, Stored]) -> tuple[list[str],
     return files, per_file, places
 
 
-def _blocks(checkpoint: Checkpoint, ranges: list[Stored], advance: Callable[[int], None]) -> Iterator[memoryview]:
+def _blocks(checkpoint: Checkpoint, ranges: list[Range], advance: Callable[[int], None]) -> Iterator[memoryview]:
     """The stored bytes of ``ranges``, block by block, each block checked before it is handed on."""
     block = checkpoint.manifest.checksum_chunk * BLOCK_CHUNKS
     for where, span, key in ranges:
@@ -104,14 +104,9 @@ def _placed(manifest: Manifest, generation: int, files: list[str], places: dict[
                for name, entry in manifest.tensors.items()}
     objects = {name: ObjectEntry(name, [(moved(where), tree) for where, tree in value.records], list(value.ranks))
                for name, value in manifest.objects.items()}
-    return dataclasses.replace(manifest, generation=generation, files=files, tensors=tensors, objects=objects,
-                               version=format_version(manifest.version >= 2), created_unix=time.time(),
-                               writer=f"bcp {__version__} (copied)")
+    return dataclasses.replace(manifest.copied_as(generation), files=files, tensors=tensors, objects=objects,
+                               created_unix=time.time(), writer=f"bcp {__version__} (copied)")
 
 
 def _place(where: ByteRange) -> Place:
-    return where.file, where.offset, _stored_span(where)
-
-
-def _stored_span(where: ByteRange) -> int:
-    return where.nbytes
+    return where.file, where.offset, where.stored_nbytes
