@@ -89,9 +89,10 @@ class Checkpoint:
         self._reader.read_range(where, start, dest, key)
 
     def read_stored(self, where: ByteRange, start: int, dest: memoryview, key: str) -> None:
-        """Read ``dest.nbytes`` bytes of the range ``where`` as stored, from ``start`` (a multiple of
-        the checksum chunk), checking each chunk against the checksum of its stored bytes."""
-        self._reader.read_range(where, start, dest, key)
+        """Read ``dest.nbytes`` of the range ``where``'s bytes as stored, from ``start``: whole
+        compressed chunks, checked against the checksums of their stored bytes (when verifying)
+        without decoding them; of a range stored raw, as :meth:`read_range`."""
+        self._reader.read_stored(where, start, dest, key)
 
     def generations(self) -> list[tuple[int, bool]]:
         """Every generation under the path with its commit state, oldest first."""
