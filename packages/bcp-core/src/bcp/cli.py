@@ -205,8 +205,11 @@ def _verify(args: argparse.Namespace) -> int:
         for problem in report.problems:
             print(f"PROBLEM {problem.entry or '(file)'}: {problem.message}")
         verdict = "OK" if report.ok else f"FAILED: {len(report.problems)} problem(s)"
+        checked = human_bytes(report.bytes_checked)
+        if report.raw_bytes != report.bytes_checked:  # compressed chunks, checked as stored
+            checked = f"{checked} stored ({human_bytes(report.raw_bytes)} raw)"
         print(f"{verdict}: {report.path} generation {report.generation}: {report.tensors} tensors and "
-              f"{report.values} values intact, {human_bytes(report.bytes_checked)} checked")
+              f"{report.values} values intact, {checked} checked")
     return 0 if report.ok else 1
 
 

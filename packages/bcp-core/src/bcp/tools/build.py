@@ -87,19 +87,22 @@ def write_checkpoint(out: "str | os.PathLike | Location", pieces: Sequence[Piece
     per writer thread (``io_threads``, by default one)."""
     columns = PlanColumns([_local_plan(pieces)])
     global_plan(columns)  # checks that the pieces agree on dtype and shape and cover every tensor exactly
-    writes = [PieceWrite(i, None, _checked(piece), piece.nbytes) for i, piece in enumerate(pieces)]
+    writes = [PieceWrite(i, None, _checked(piece), piece.nbytes, dtype=piece.dtype) for i, piece in enumerate(pieces)]
+    compression = Compression.of(compression)
 
     def manifest_of(reports: list[RankWrites]) -> Manifest:
         manifest = assemble_manifest(generation=generation, framework=framework,
                                      checksum_chunk=DEFAULT_CHECKSUM_CHUNK, writer=f"bcp {__version__} ({note})",
-                                     columns=columns, reports=reports, world_size=world_size)
+                                     columns=columns, reports=reports, world_size=world_size,
+                                     compression=compression)
         manifest.unsafe_pickle = unsafe_pickle
         _add_aliases(manifest.tensors, aliases or {})
         return manifest
 
     with new_generation(out, sources) as (location, generation), \
             showing(progress or NoProgress(), note, sum(p.nbytes for p in pieces)) as advance:
-        write_generation(SingleProcessCoordinator(), GenerationWriter(location, generation, threads=io_threads),
+        write_generation(SingleProcessCoordinator(),
+                         GenerationWriter(location, generation, threads=io_threads, compression=compression),
                          writes, [w for v in values for w in v.writes()], manifest_of, PhaseStats(), advance)
     return generation
 
