@@ -1,8 +1,6 @@
 """Compressed checkpoints on an object store (a real SeaweedFS behind a counting proxy): a compressed
 save uploads fewer bytes than an uncompressed one and loads bitwise; a slice read through
-``read_tensor`` downloads only the stored bytes of the chunks that cover it, in as many ranged GETs
-as the chunks' stored span needs; and an incremental compressed save refers to the unchanged chunks
-in the earlier generation's object."""
+``read_tensor`` downloads only the stored bytes of the chunks that cover it, in one ranged GET."""
 
 from __future__ import annotations
 

@@ -84,13 +84,22 @@ def _layout(manifest: Manifest, ranges: dict[Place, Range]) -> tuple[list[str], 
 
 def _blocks(checkpoint: Checkpoint, ranges: list[Range], advance: Callable[[int], None]) -> Iterator[memoryview]:
     """The stored bytes of ``ranges``, block by block, each block checked before it is handed on."""
-    block = checkpoint.manifest.checksum_chunk * BLOCK_CHUNKS
-    for where, span, key in ranges:
-        for start in range(0, span, block):
-            data = memoryview(bytearray(min(block, span - start)))
+    for where, _, key in ranges:
+        for start, end in _blocks_of(where, checkpoint.manifest.checksum_chunk):
+            data = memoryview(bytearray(end - start))
             checkpoint.read_stored(where, start, data, key)
             advance(data.nbytes)
             yield data
+
+
+def _blocks_of(where: ByteRange, chunk: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of the blocks of ``BLOCK_CHUNKS`` whole chunks that ``where``'s stored bytes
+    are read in (a compressed chunk can only be checked whole)."""
+    starts = where.stored.starts() if where.stored is not None else [*range(0, where.nbytes, chunk), where.nbytes]
+    bounds = starts[::BLOCK_CHUNKS]
+    if bounds[-1] != starts[-1]:
+        bounds.append(starts[-1])
+    return list(zip(bounds, bounds[1:]))
 
 
 def _placed(manifest: Manifest, generation: int, files: list[str], places: dict[Place, Place]) -> Manifest:
