@@ -178,7 +178,7 @@ def test_copy_decompress_writes_a_checkpoint_older_bcp_reads(ckpt, tmp_path):
     _assert_reads_back(out, tensors)
 
 
-def test_export_and_convert_read_compressed_checkpoints_bitwise(ckpt, tmp_path):
+def test_export_and_convert_read_compressed_checkpoints_bitwise_and_convert_writes_them(ckpt, tmp_path):
     from safetensors.torch import load_file
 
     path, tensors = ckpt
@@ -193,6 +193,11 @@ def test_export_and_convert_read_compressed_checkpoints_bitwise(ckpt, tmp_path):
     assert main(["convert", "--from", "dcp", dcp_out, back, "--trust-pickle", f"--compress={CODEC}"]) == 0
     assert open_checkpoint(back).manifest.version == 4
     _assert_reads_back(back, tensors)
+
+    from_hf = str(tmp_path / "from_hf")
+    assert main(["convert", "--from", "hf", str(tmp_path / "hf"), from_hf, "--compress"]) == 0
+    assert open_checkpoint(from_hf).manifest.compression.codec == CODEC
+    _assert_reads_back(from_hf, tensors)
 
 
 def test_a_slice_reads_only_the_chunks_that_cover_it(ckpt):
