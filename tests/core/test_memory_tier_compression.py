@@ -1,8 +1,9 @@
 """The memory tier with compression (2 ranks as 2 nodes, ``nodes=``): each rank's compressed data
 files are copied to its peer node as they are (the copies equal the originals byte for byte), a
-replaced node's ranks load bitwise from those copies, the persisted generation is a compressed
-checkpoint at the persistent path; and incremental compressed saves refer to the unchanged chunks
-in the earlier generation without compressing them again (the chunks compressed are counted)."""
+replaced node's rank loads bitwise from those copies, one rank of the surviving node alone loads
+resharded, the persisted generation is a compressed checkpoint at the persistent path; and
+incremental compressed saves refer to the unchanged chunks in the earlier generation without
+compressing them again (the chunks compressed are counted)."""
 
 from __future__ import annotations
 
@@ -77,5 +78,7 @@ def test_compressed_tier_saves_replicate_as_stored_reuse_unchanged_chunks_and_lo
     shutil.rmtree(tier / "node-b")  # node b replaced: its rank loads from node a's copies
     loaded = ranks(2).run(load_generation, "fsdp2", _tier(root, ["a", "b"]), None)
     assert_bitwise(saves[0][-1]["state"], loaded[0]["state"])
+    survivor = load_generation("plain", _tier(root, ["a"]), None)  # node b lost: node a alone, on one rank
+    assert_bitwise(saves[0][-1]["state"], survivor["state"])
     alone = load_generation("plain", str(tmp_path / "persistent"), None)
     assert_bitwise(saves[0][-1]["state"], alone["state"])
