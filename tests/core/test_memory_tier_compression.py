@@ -11,6 +11,8 @@ import filecmp
 import os
 import shutil
 
+import pytest
+
 import bcp
 from bcp.tools import open_checkpoint
 from chunk_counts import compressed_chunks
@@ -82,3 +84,9 @@ def test_compressed_tier_saves_replicate_as_stored_reuse_unchanged_chunks_and_lo
     assert_bitwise(saves[0][-1]["state"], survivor["state"])
     alone = load_generation("plain", str(tmp_path / "persistent"), None)
     assert_bitwise(saves[0][-1]["state"], alone["state"])
+
+
+def test_an_unknown_codec_is_refused_when_the_tier_is_made(tmp_path):
+    with pytest.raises(bcp.CheckpointError, match=r"MemoryTier\(compression=\.\.\.\): unknown compression codec 'lz9'"):
+        bcp.MemoryTier(local_dir=str(tmp_path), compression="lz9")
+    assert bcp.MemoryTier(local_dir=str(tmp_path), compression=True).compression is True
