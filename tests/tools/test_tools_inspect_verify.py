@@ -33,7 +33,8 @@ def test_inspect_describes_entries_layouts_and_sizes(ckpt, capsys):
     assert summary["components"] == {"model": {"tensors": 6, "values": 1}, "extra_state": {"tensors": 1, "values": 1}}
     rows = {t["name"]: t for t in summary["tensors"]}
     assert rows["model/embed.weight"] == {"name": "model/embed.weight", "dtype": "float32", "shape": [10, 6],
-                                          "numel": 60, "nbytes": 240, "shards": 2, "layout": "dim 0 / 2"}
+                                          "numel": 60, "nbytes": 240, "stored_nbytes": 240, "ratio": 1.0,
+                                          "shards": 2, "layout": "dim 0 / 2"}
     assert rows["model/grid.weight"]["layout"] == "dim 0 / 2 x dim 1 / 2"
     assert rows["model/flat.weight"]["layout"].endswith("irregular boxes")
     assert rows["model/scale"]["layout"] == "whole" and rows["model/scale"]["shape"] == []

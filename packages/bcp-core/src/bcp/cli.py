@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from bcp.chunk_codecs import CODECS, Compression
 from bcp.errors import CheckpointError
 from bcp.storage import is_url
 from bcp.tools import (
@@ -30,6 +31,7 @@ from bcp.tools import (
     summarize,
     verify_checkpoint,
 )
+from bcp.tools.edit import SOURCE
 from bcp.tools.op_summary import STRAGGLER_RATIO, STRAGGLER_SECONDS
 from bcp.tools.units import human_bytes, parse_size
 
@@ -41,6 +43,7 @@ _EPILOG = """examples:
   bcp convert --from dcp dcp_ckpt/ ckpt/ --trust-pickle
   bcp convert --to dcp ckpt/ dcp_out/
   bcp edit ckpt/ new_ckpt/ --drop 'optimizer/*' --dtype bfloat16
+  bcp edit ckpt/ compressed/ --compress
   bcp copy ckpt/ s3://bucket/elsewhere/ --generation 12
   bcp report ckpt/ --heatmap heat.png --gantt gantt.png --trace trace.json
 """
@@ -107,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--component", default="model", help="component the hf weights go to (default: model)")
     convert.add_argument("--tie", action="append", default=None, metavar="ALIAS=KEY", type=_tie,
                          help="hf: ALIAS shares KEY's tensor (repeatable); default: the ties config.json implies")
+    _compression_options(convert, keeps=False)
     _edit_rules(convert, "bcp names (model/<key>, ...); to bcp only")
     _quiet(convert)
 
@@ -115,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     edit.add_argument("out", metavar="OUT", help="new (or empty) folder for the edited checkpoint")
     edit.add_argument("--role", help="role sub-checkpoint of SRC")
     edit.add_argument("--consolidate", action="store_true", help="store every tensor whole instead of as saved")
+    _compression_options(edit, keeps=True)
     _edit_rules(edit, "full names (model/<fqn>, optimizer/state/<fqn>/<key>, ...)")
     _quiet(edit)
 
@@ -123,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     copy.add_argument("out", metavar="OUT", help="new (or empty) folder or URL for the copy")
     copy.add_argument("--role", help="role sub-checkpoint of SRC")
     copy.add_argument("--generation", type=int, help="a committed generation other than the newest")
+    _compression_options(copy, keeps=True)
     _quiet(copy)
 
     monitor = _command(commands, "report", _report, "where a save's or load's time went, per rank and phase")
@@ -162,6 +168,19 @@ def _source(parser: argparse.ArgumentParser, metavar: str, generation: bool = Tr
         parser.add_argument("--generation", type=int, help="a committed generation other than the newest")
 
 
+def _compression_options(parser: argparse.ArgumentParser, keeps: bool) -> None:
+    """``--compress[=CODEC]`` and (for a bcp source, whose compression is otherwise kept) ``--decompress``."""
+    group = parser.add_mutually_exclusive_group()
+    default = SOURCE if keeps else None
+    group.add_argument("--compress", nargs="?", const=Compression().codec, default=default, choices=CODECS,
+                       metavar="CODEC", help=f"store the data compressed with CODEC (one of {', '.join(CODECS)}; "
+                       f"default {Compression().codec})" + ("; without this or --decompress, as the source is "
+                                                             "stored" if keeps else ""))
+    if keeps:
+        group.add_argument("--decompress", dest="compress", action="store_const", const=None, default=default,
+                           help="store the data uncompressed (format version 1 or 2, which every bcp reads)")
+
+
 def _edit_rules(parser: argparse.ArgumentParser, names: str) -> None:
     group = parser.add_argument_group("rules", f"patterns match the source {names}; renames apply last")
     group.add_argument("--drop", action="append", default=[], metavar="GLOB", help="leave out matching entries")
@@ -186,8 +205,11 @@ def _verify(args: argparse.Namespace) -> int:
         for problem in report.problems:
             print(f"PROBLEM {problem.entry or '(file)'}: {problem.message}")
         verdict = "OK" if report.ok else f"FAILED: {len(report.problems)} problem(s)"
+        checked = human_bytes(report.bytes_checked)
+        if report.raw_bytes != report.bytes_checked:  # compressed chunks, checked as stored
+            checked = f"{checked} stored ({human_bytes(report.raw_bytes)} raw)"
         print(f"{verdict}: {report.path} generation {report.generation}: {report.tensors} tensors and "
-              f"{report.values} values intact, {human_bytes(report.bytes_checked)} checked")
+              f"{report.values} values intact, {checked} checked")
     return 0 if report.ok else 1
 
 
@@ -219,12 +241,13 @@ def _convert(args: argparse.Namespace) -> int:
             print(f"  per-rank values kept as rank 0 saved them: {', '.join(result.reduced_to_rank0)}")
     elif source == "dcp":
         result = convert_dcp_to_bcp(args.src, args.out, trust_pickle=args.trust_pickle, rules=_rules(args),
-                                    casts=CastRules(tuple(args.dtype)), progress=progress_for(quiet=args.quiet))
+                                    casts=CastRules(tuple(args.dtype)), compression=args.compress,
+                                    progress=progress_for(quiet=args.quiet))
         print(f"wrote bcp checkpoint {result.out}: {result.tensors} tensors, {result.values} values")
     else:
         ties = None if args.tie is None else dict(args.tie)
         result = convert_hf_to_bcp(args.src, args.out, component=args.component, rules=_rules(args),
-                                   casts=CastRules(tuple(args.dtype)), ties=ties,
+                                   casts=CastRules(tuple(args.dtype)), ties=ties, compression=args.compress,
                                    progress=progress_for(quiet=args.quiet))
         print(f"wrote bcp checkpoint {result.out}: {result.tensors} tensors")
         for alias, name in result.tied.items():
@@ -235,14 +258,14 @@ def _convert(args: argparse.Namespace) -> int:
 def _edit(args: argparse.Namespace) -> int:
     result = edit_checkpoint(args.src, args.out, role=args.role, rules=_rules(args),
                              casts=CastRules(tuple(args.dtype)), consolidate=args.consolidate,
-                             progress=progress_for(quiet=args.quiet))
+                             compression=args.compress, progress=progress_for(quiet=args.quiet))
     print(f"wrote {result.out}: {result.tensors} tensors, {result.values} values, {result.dropped} dropped")
     return 0
 
 
 def _copy(args: argparse.Namespace) -> int:
     result = copy_checkpoint(args.src, args.out, role=args.role, generation=args.generation,
-                             progress=progress_for(quiet=args.quiet))
+                             compression=args.compress, progress=progress_for(quiet=args.quiet))
     print(f"copied {result.tensors} tensors and {result.values} values into {result.out} (refers to nothing "
           "outside it)")
     return 0

@@ -32,6 +32,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from bcp.chunk_codecs import RAW
 from bcp.engine.bytes_of import byte_view, host_contiguous
 from bcp.engine.checksum import chunk_crcs
 from bcp.layout.box import Box
@@ -39,6 +40,7 @@ from bcp.layout.dtypes import dtype_name
 from bcp.layout.manifest import Manifest
 from bcp.layout.piece import Piece
 from bcp.layout.references import earlier_file
+from bcp.layout.shard_table import StoredChunks, raw_chunk_lengths
 from bcp.layout.shards import is_dtensor
 from bcp.layout.write_plan import PieceWrite
 from bcp.layout.write_report import PieceRecord, RankWrites, WrittenPieces
@@ -51,12 +53,15 @@ Key = tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 @dataclass(frozen=True, slots=True)
 class Stored:
     """A box's bytes as a committed generation stores them: ``file`` named from the checkpoint path
-    (``gen-<n>/data/...``), ``nbytes`` from ``offset``, one crc32c per chunk."""
+    (``gen-<n>/data/...``), ``nbytes`` raw bytes from ``offset``, one crc32c per chunk of them, and
+    how the chunks lie where some are compressed (``stored``: referred to as they are, never
+    compressed again)."""
 
     file: str
     offset: int
     nbytes: int
     crcs: tuple[int, ...]
+    stored: StoredChunks | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +134,8 @@ def stored_boxes(manifest: Manifest, names: set[str]) -> dict[Key, Remembered]:
         for shard in entry.shards:
             where = shard.bytes
             out[(name, entry.dtype, shape, shard.box.offsets, shard.box.lengths)] = Remembered(Stored(
-                earlier_file(manifest.generation, manifest.files[where.file]), where.offset, where.nbytes, where.crcs))
+                earlier_file(manifest.generation, manifest.files[where.file]), where.offset, where.nbytes, where.crcs,
+                where.stored))
     return out
 
 
@@ -141,16 +147,21 @@ class Reuse:
     reused: list[tuple[PieceWrite, Stored]]
     #: Every piece's box and how its tensor was seen, for the memory of this save.
     seen: dict[tuple[int, tuple[int, ...] | None], tuple[Key, Seen]]
+    #: The checksum chunk's size.
+    chunk: int
 
     @property
     def reused_nbytes(self) -> int:
         return sum(write.nbytes for write, _ in self.reused)
 
     def complete(self, report: RankWrites) -> None:
-        """Add the reused pieces to the rank's report (where their bytes lie, their checksums)."""
+        """Add the reused pieces to the rank's report (where their bytes lie, their checksums, their
+        stored chunks: where any reused box has compressed chunks, every row lists its chunks)."""
         files: dict[str, int] = {}
+        compressed = any(stored.stored is not None for _, stored in self.reused)
         rows = [PieceRecord.of(write, files.setdefault(stored.file, len(files)), stored.offset, stored.nbytes,
-                               list(stored.crcs)) for write, stored in self.reused]
+                               list(stored.crcs), _chunks_of(stored, self.chunk) if compressed else None)
+                for write, stored in self.reused]
         report.reused, report.earlier_files = WrittenPieces.of(rows), list(files)
 
     def remembered(self, report: RankWrites, generation_folder: str) -> dict[Key, Remembered]:
@@ -161,10 +172,12 @@ class Reuse:
             parts = {row: tuple(offsets) for row, offsets, _ in rows.parts}
             crcs = rows.crcs.tolist()
             ends = np.cumsum(rows.crc_counts).tolist()
+            chunks = _stored_chunks(rows, ends)
             for row, (index, (file, offset, nbytes), end, count) in enumerate(zip(
                     rows.index.tolist(), rows.where.tolist(), ends, rows.crc_counts.tolist())):
                 key, seen = self.seen[(index, parts.get(row))]
-                out[key] = Remembered(Stored(files[file], offset, nbytes, tuple(crcs[end - count:end])), seen)
+                out[key] = Remembered(Stored(files[file], offset, nbytes, tuple(crcs[end - count:end]), chunks[row]),
+                                      seen)
         return out
 
 
@@ -197,7 +210,26 @@ def decide(writes: list[PieceWrite], pieces: list[Piece], base: dict[Key, Rememb
                 reused.append((write, known.stored))
             else:
                 written.append(PieceWrite(write.index, write.part, write.data, write.nbytes, list(crcs)))
-    return Reuse(written, reused, seen)
+    return Reuse(written, reused, seen, chunk)
+
+
+def _chunks_of(stored: Stored, chunk: int) -> StoredChunks:
+    """How ``stored``'s chunks lie: as recorded, or raw (``chunk``-byte chunks) where none is compressed."""
+    if stored.stored is not None:
+        return stored.stored
+    lengths = raw_chunk_lengths(np.array([stored.nbytes]), np.array([0, len(stored.crcs)]), chunk)
+    return StoredChunks((RAW,) * len(stored.crcs), tuple(lengths.tolist()), stored.crcs)
+
+
+def _stored_chunks(rows: WrittenPieces, ends: list[int]) -> list[StoredChunks | None]:
+    """Each row's stored chunks where some of them are compressed (else None), from the report's columns."""
+    if rows.chunks is None:
+        return [None] * len(rows.index)
+    codecs, lengths = rows.chunks.chunk_codec.tolist(), rows.chunks.chunk_stored.tolist()
+    crcs = rows.chunks.stored_crcs.tolist()
+    starts = [0, *ends]
+    return [StoredChunks(tuple(codecs[lo:hi]), tuple(lengths[lo:hi]), tuple(crcs[lo:hi]))
+            if any(codecs[lo:hi]) else None for lo, hi in zip(starts, starts[1:])]
 
 
 #: Every checksum chunk of a frozen, untouched tensor is checked within this many consecutive saves

@@ -15,6 +15,7 @@ from bcp.api.location import resolve
 from bcp.api.options import LoadOptions, SaveOptions
 from bcp.api.results import LoadResult, SaveHandle
 from bcp.api.save import save_at
+from bcp.chunk_codecs import Compression
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree
 from bcp.engine.shared_memory import mapped_files_available
@@ -45,7 +46,9 @@ class MemoryTier:
     ``persistent``: a path, URL or Storage (None: memory only). ``nodes``: the node id of each rank
     (default: ``BCP_NODE``, else the host name, told apart by torchrun's node rank where several
     launcher nodes share a host). ``name``: the folder under ``/dev/shm`` when
-    ``local_dir`` is not given (default: derived from ``persistent``). Picklable."""
+    ``local_dir`` is not given (default: derived from ``persistent``). ``compression``: the codec of
+    every save to the tier that does not name one (``bcp.save(..., compression=...)``); the compressed
+    files are replicated and persisted as they are. Picklable."""
 
     persistent: "str | os.PathLike | Storage | None" = None
     _: KW_ONLY
@@ -54,6 +57,7 @@ class MemoryTier:
     replicas: int = 1
     nodes: Sequence[str] | None = None
     name: str | None = None
+    compression: "Compression | str | bool | None" = None
 
     def __post_init__(self) -> None:
         if type(self.persist_every) is not int or self.persist_every < 1:
@@ -62,6 +66,10 @@ class MemoryTier:
             raise CheckpointError(f"MemoryTier(replicas=...) must be an integer >= 0, not {self.replicas!r}")
         if self.nodes is not None:
             object.__setattr__(self, "nodes", tuple(self.nodes))
+        try:
+            Compression.of(self.compression)
+        except ValueError as exc:
+            raise CheckpointError(f"MemoryTier(compression=...): {exc}") from None
 
     @property
     def folder(self) -> str:
@@ -78,6 +86,8 @@ class MemoryTier:
         return f"memory tier {self.folder}"
 
     def save_state(self, state: Mapping[str, Any], options: SaveOptions) -> SaveHandle:
+        if options.compression is None and self.compression is not None:
+            options = dataclasses.replace(options, compression=self.compression)
         coord = as_coordinator(options.coordinator)
         placement = Placement.of(self._nodes(coord), self.replicas)
         lead = placement.is_node_lead(coord.rank)

@@ -92,8 +92,9 @@ class PeerSource:
         overlay = self._overlay
         assert overlay is not None
         files = checkpoint.manifest.files
-        wanted = [(op.shard.bytes.file, op.shard.bytes.offset, op.shard.bytes.nbytes) for op in ops or ()]
-        wanted += [(where.file, where.offset, where.nbytes) for entry in checkpoint.objects.values()
+        # The stored bytes of each range: its chunks as they lie in the file, compressed or not.
+        wanted = [(op.shard.bytes.file, op.shard.bytes.offset, op.shard.bytes.stored_nbytes) for op in ops or ()]
+        wanted += [(where.file, where.offset, where.stored_nbytes) for entry in checkpoint.objects.values()
                    for where, _ in entry.records]
         missing = sorted({(files[f], offset, nbytes) for f, offset, nbytes in wanted
                           if self.folder.data_name(self.generation, files[f]) not in overlay.local_names})

@@ -6,14 +6,16 @@ piece per writer thread however large the checkpoint is."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from bcp.api.location import resolve
 from bcp.api.results import PhaseStats
 from bcp.api.writing import write_generation
+from bcp.chunk_codecs import Compression
 from bcp.coord import SingleProcessCoordinator
 from bcp.engine.location import Location, generation_dir
 from bcp.engine.writer import GenerationWriter
@@ -74,41 +76,63 @@ class ValueSource:
 def write_checkpoint(out: "str | os.PathLike | Location", pieces: Sequence[PieceSource],
                      values: Sequence[ValueSource], *, note: str, framework: str = "plain", world_size: int = 1,
                      aliases: Mapping[str, str] | None = None, unsafe_pickle: bool = False,
-                     sources: Sequence["str | os.PathLike"] = (), progress: Progress | None = None,
-                     io_threads: int = 1) -> int:
+                     sources: Sequence["str | os.PathLike"] = (), compression: "Compression | str | bool | None" = None,
+                     progress: Progress | None = None, io_threads: int = 1) -> int:
     """Write a committed checkpoint at ``out`` (a new or empty folder, apart from every ``sources``
     path; or the location of an existing checkpoint, whose newest generation it becomes, with that
     location's retention after the commit) and return its generation. ``aliases`` (name -> name of a
-    piece's tensor) add entries that share another tensor's stored bytes, as tied weights do. A
+    piece's tensor) add entries that share another tensor's stored bytes, as tied weights do.
+    ``compression``: the codec the data is stored with (None: uncompressed), as ``bcp.save`` takes it. A
     failure removes what was written (never a committed generation). Memory holds about one piece
     per writer thread (``io_threads``, by default one)."""
-    new_output = not isinstance(out, Location)
-    location = resolve(check_new_output(out, sources), None) if new_output else out
-    generation = location.claim_next_generation()
     columns = PlanColumns([_local_plan(pieces)])
     global_plan(columns)  # checks that the pieces agree on dtype and shape and cover every tensor exactly
-    writes = [PieceWrite(i, None, _checked(piece), piece.nbytes) for i, piece in enumerate(pieces)]
+    writes = [PieceWrite(i, None, _checked(piece), piece.nbytes, dtype=piece.dtype) for i, piece in enumerate(pieces)]
+    compression = Compression.of(compression)
 
     def manifest_of(reports: list[RankWrites]) -> Manifest:
         manifest = assemble_manifest(generation=generation, framework=framework,
                                      checksum_chunk=DEFAULT_CHECKSUM_CHUNK, writer=f"bcp {__version__} ({note})",
-                                     columns=columns, reports=reports, world_size=world_size)
+                                     columns=columns, reports=reports, world_size=world_size,
+                                     compression=compression)
         manifest.unsafe_pickle = unsafe_pickle
         _add_aliases(manifest.tensors, aliases or {})
         return manifest
 
-    progress = progress or NoProgress()
-    progress.start(note, sum(p.nbytes for p in pieces))
+    with new_generation(out, sources) as (location, generation), \
+            showing(progress or NoProgress(), note, sum(p.nbytes for p in pieces)) as advance:
+        write_generation(SingleProcessCoordinator(),
+                         GenerationWriter(location, generation, threads=io_threads, compression=compression),
+                         writes, [w for v in values for w in v.writes()], manifest_of, PhaseStats(), advance)
+    return generation
+
+
+@contextmanager
+def new_generation(out: "str | os.PathLike | Location",
+                   sources: Sequence["str | os.PathLike"]) -> Iterator[tuple[Location, int]]:
+    """The claimed next generation of ``out`` (a new or empty folder apart from every ``sources``
+    path, or an existing checkpoint's location), for the body to write and commit. A failure
+    removes what was written into a new output (in an existing checkpoint, the writer door has
+    discarded an uncommitted generation)."""
+    new_output = not isinstance(out, Location)
+    location = resolve(check_new_output(out, sources), None) if new_output else out
+    generation = location.claim_next_generation()
     try:
-        write_generation(SingleProcessCoordinator(), GenerationWriter(location, generation, threads=io_threads),
-                         writes, [w for v in values for w in v.writes()], manifest_of, PhaseStats(), progress.advance)
+        yield location, generation
     except BaseException:
         if new_output:  # the output was new or empty, so the claim is ours alone: leave nothing behind
             location.storage.delete_tree(f"{location.prefix}{generation_dir(generation)}")
-        raise  # (in an existing checkpoint write_generation has discarded an uncommitted generation)
+        raise
+
+
+@contextmanager
+def showing(progress: Progress, label: str, total: int) -> Iterator[Callable[[int], None]]:
+    """``progress`` started for ``total`` bytes, its ``advance`` for the body, finished however the body ends."""
+    progress.start(label, total)
+    try:
+        yield progress.advance
     finally:
         progress.finish()
-    return generation
 
 
 def _checked(piece: PieceSource) -> Callable[[], torch.Tensor]:

@@ -26,6 +26,7 @@ from typing import Any, Collection, Iterable, Iterator
 
 import torch
 
+from bcp.chunk_codecs import Compression
 from bcp.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -55,11 +56,12 @@ class DcpConvertResult:
 
 def convert_dcp_to_bcp(src: "str | os.PathLike", out: "str | os.PathLike", *, trust_pickle: bool = False,
                        rules: NameRules = NameRules(), casts: CastRules = CastRules(),
-                       progress: Progress | None = None) -> DcpConvertResult:
+                       compression: "Compression | str | bool | None" = None, progress: Progress | None = None) -> DcpConvertResult:
     """Convert the DCP checkpoint folder ``src`` into a new bcp checkpoint at ``out``.
 
     ``trust_pickle`` must be True: DCP metadata is a pickle, so reading it can run code.
-    ``rules`` and ``casts`` patterns see bcp names (``model/<fqn>``, ...).
+    ``rules`` and ``casts`` patterns see bcp names (``model/<fqn>``, ...). ``compression``: the
+    codec the data is stored with (None: uncompressed), as ``bcp.save`` takes it.
     """
     source = DcpSource(src, trust_pickle=trust_pickle)
     tensors: dict[str, str] = {}  # bcp name -> DCP key
@@ -89,7 +91,8 @@ def convert_dcp_to_bcp(src: "str | os.PathLike", out: "str | os.PathLike", *, tr
         for key, inner in parts:
             insert(tree, ("value", *inner), loaded[key])
         values.append(_encoded(names[name], tree["value"]))
-    write_checkpoint(out, pieces, values, note="converted from DCP", sources=[src], progress=progress)
+    write_checkpoint(out, pieces, values, note="converted from DCP", sources=[src], compression=compression,
+                     progress=progress)
     return DcpConvertResult(os.fspath(out), len(pieces), len(values))
 
 

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from bcp.chunk_codecs import Compression
 from bcp.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from bcp.layout.box import Box
 from bcp.tools.build import PieceSource, write_checkpoint
@@ -35,13 +36,15 @@ class HfConvertResult:
 
 def convert_hf_to_bcp(src: "str | os.PathLike", out: "str | os.PathLike", *, component: str = "model",
                       rules: NameRules = NameRules(), casts: CastRules = CastRules(),
-                      ties: Mapping[str, str] | None = None, progress: Progress | None = None) -> HfConvertResult:
+                      ties: Mapping[str, str] | None = None, compression: "Compression | str | bool | None" = None,
+                      progress: Progress | None = None) -> HfConvertResult:
     """Convert the safetensors weights at ``src`` into a new checkpoint at ``out``.
 
     Entries are named ``<component>/<key>``; ``rules`` and ``casts`` patterns see those names.
     ``ties`` maps a missing key to the key it shares a tensor with (``{"lm_head.weight":
     "model.embed_tokens.weight"}``); by default they come from ``src``'s ``config.json`` when
-    ``transformers`` is installed. Pass ``{}`` to add none.
+    ``transformers`` is installed. Pass ``{}`` to add none. ``compression``: the codec the data is
+    stored with (None: uncompressed), as ``bcp.save`` takes it.
     """
     if not component or "/" in component:
         raise CheckpointError(f"a component name is non-empty and has no '/': {component!r}")
@@ -71,7 +74,7 @@ def convert_hf_to_bcp(src: "str | os.PathLike", out: "str | os.PathLike", *, com
     aliases = {names[prefix + alias]: names[prefix + key] for alias, key in ties.items()
                if prefix + alias in names and prefix + key in names}
     generation = write_checkpoint(out, pieces, [], note="converted from safetensors", aliases=aliases,
-                                  sources=[src], progress=progress)
+                                  sources=[src], compression=compression, progress=progress)
     return HfConvertResult(os.fspath(out), generation, len(pieces), aliases)
 
 

@@ -10,6 +10,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from bcp.chunk_codecs import Compression
 from bcp.engine.location import Location
 from bcp.errors import MismatchError
 from bcp.layout.box import Box
@@ -19,6 +20,12 @@ from bcp.tools.build import PieceSource, ValueSource, write_checkpoint
 from bcp.tools.checkpoint import Checkpoint, open_checkpoint
 from bcp.tools.progress import Progress
 from bcp.tools.rules import CastRules, NameRules
+from bcp.tools.stored_copy import copy_stored
+
+
+#: ``compression`` of :func:`edit_checkpoint` and :func:`copy_checkpoint`: store the data as the
+#: source does (compressed with its codec, or not).
+SOURCE = "source"
 
 
 @dataclass
@@ -32,29 +39,38 @@ class EditResult:
 
 def edit_checkpoint(src: "str | os.PathLike", out: "str | os.PathLike", *, role: str | None = None,
                     rules: NameRules = NameRules(), casts: CastRules = CastRules(), consolidate: bool = False,
-                    progress: Progress | None = None, generation: int | None = None) -> EditResult:
+                    compression: "Compression | str | bool | None" = SOURCE, progress: Progress | None = None,
+                    generation: int | None = None) -> EditResult:
     """Write the checkpoint at ``src`` (its newest committed generation, or ``generation``), edited,
     as a new checkpoint at ``out``, which refers to nothing outside it.
 
     ``rules`` and ``casts`` patterns see full names (``model/<fqn>``, ``optimizer/state/...``).
     Shards keep their boxes (memory: one shard at a time) unless ``consolidate`` writes every
     tensor as one whole piece (memory: one tensor at a time). Per-rank values are kept per rank.
-    Tensors that shared stored bytes (tied weights) still share them.
+    Tensors that shared stored bytes (tied weights) still share them. ``compression``: the codec
+    the data is stored with (a name, as ``bcp.save`` takes it; None: uncompressed; by default the
+    source's). The raw bytes' checksums stay the same whatever the codec.
     """
-    checkpoint = open_checkpoint(src, role=role, generation=generation)
-    manifest = checkpoint.manifest
-    names = _with_holders(manifest, rules.apply([*manifest.tensors, *manifest.objects]), checkpoint.path)
-    return _write_edited(checkpoint, names, out, casts=casts, consolidate=consolidate, progress=progress,
-                         sources=[checkpoint.location.storage.root])
+    return _edit(open_checkpoint(src, role=role, generation=generation), out, rules=rules, casts=casts,
+                 consolidate=consolidate, compression=compression, progress=progress)
 
 
 def copy_checkpoint(src: "str | os.PathLike", out: "str | os.PathLike", *, role: str | None = None,
-                    generation: int | None = None, progress: Progress | None = None) -> EditResult:
+                    generation: int | None = None, compression: "Compression | str | bool | None" = SOURCE,
+                    progress: Progress | None = None) -> EditResult:
     """Copy one generation of ``src`` (the newest committed one, or ``generation``) to ``out`` as a
     checkpoint of its own: every byte it uses is read (checked against its checksum) and written
     anew, those an incremental save left in earlier generations included, so the copy refers to
-    nothing outside ``out``. The copy's shards, values and tied tensors are the source's."""
-    return edit_checkpoint(src, out, role=role, progress=progress, generation=generation)
+    nothing outside ``out``. The copy's shards, values and tied tensors are the source's, and by
+    default its stored bytes too (compressed chunks are copied as stored, not compressed again);
+    ``compression`` other than :data:`SOURCE` stores the data with that codec (None: uncompressed)."""
+    checkpoint = open_checkpoint(src, role=role, generation=generation)
+    if compression != SOURCE:
+        return _edit(checkpoint, out, rules=NameRules(), casts=CastRules(), consolidate=False,
+                     compression=compression, progress=progress)
+    written = copy_stored(checkpoint, out, sources=[checkpoint.location.storage.root], progress=progress)
+    manifest = checkpoint.manifest
+    return EditResult(os.fspath(out), written, len(manifest.tensors), len(manifest.objects), 0)
 
 
 def remove_entries(path: "str | os.PathLike", names: Iterable[str], *, role: str | None = None,
@@ -76,7 +92,21 @@ def remove_entries(path: "str | os.PathLike", names: Iterable[str], *, role: str
     kept = {name: name for name in [*manifest.tensors, *manifest.objects] if name not in removed}
     kept = _with_holders(manifest, kept, checkpoint.path)
     return _write_edited(checkpoint, kept, replace(checkpoint.location, keep_generations=1), casts=CastRules(),
-                         consolidate=False, progress=progress, sources=())
+                         consolidate=False, compression=_compression_of(manifest), progress=progress, sources=())
+
+
+def _edit(checkpoint: Checkpoint, out: "str | os.PathLike", *, rules: NameRules, casts: CastRules,
+          consolidate: bool, compression: "Compression | str | bool | None", progress: Progress | None) -> EditResult:
+    manifest = checkpoint.manifest
+    names = _with_holders(manifest, rules.apply([*manifest.tensors, *manifest.objects]), checkpoint.path)
+    return _write_edited(checkpoint, names, out, casts=casts, consolidate=consolidate,
+                         compression=_compression_of(manifest) if compression == SOURCE else compression,
+                         progress=progress, sources=[checkpoint.location.storage.root])
+
+
+def _compression_of(manifest: Manifest) -> Compression | None:
+    """The compression the checkpoint was saved with (None: uncompressed)."""
+    return manifest.compression
 
 
 def _with_holders(manifest: Manifest, names: dict[str, str], path: str) -> dict[str, str]:
@@ -101,7 +131,7 @@ def _with_holders(manifest: Manifest, names: dict[str, str], path: str) -> dict[
 
 
 def _write_edited(checkpoint: Checkpoint, names: dict[str, str], out: "str | os.PathLike | Location", *,
-                  casts: CastRules, consolidate: bool, progress: Progress | None,
+                  casts: CastRules, consolidate: bool, compression: "Compression | str | bool | None", progress: Progress | None,
                   sources: Sequence[str]) -> EditResult:
     """Write the entries ``names`` (source name -> new name) of ``checkpoint`` to ``out``."""
     manifest = checkpoint.manifest
@@ -121,7 +151,8 @@ def _write_edited(checkpoint: Checkpoint, names: dict[str, str], out: "str | os.
     values = [_copied(checkpoint, name, names[name]) for name in manifest.objects if name in names]
     generation = write_checkpoint(
         out, pieces, values, note="edited", framework=manifest.framework, world_size=manifest.world_size,
-        aliases=aliases, unsafe_pickle=manifest.unsafe_pickle, sources=sources, progress=progress)
+        aliases=aliases, unsafe_pickle=manifest.unsafe_pickle, sources=sources, compression=compression,
+        progress=progress)
     kept = len(written) + len(aliases)
     return EditResult(out.display if isinstance(out, Location) else os.fspath(out), generation, kept, len(values),
                       len(manifest.tensors) + len(manifest.objects) - kept - len(values))

@@ -26,7 +26,10 @@ def summarize(checkpoint: Checkpoint, *, filters: Sequence[str] = ()) -> dict[st
         components.setdefault(name.split("/", 1)[0], {"tensors": 0, "values": 0})["tensors"] += 1
     for name in manifest.objects:
         components.setdefault(name.split("/", 1)[0], {"tensors": 0, "values": 0})["values"] += 1
-    stored = {(s.bytes.file, s.bytes.offset, s.bytes.nbytes) for e in manifest.tensors.values() for s in e.shards}
+    # Tensors that share stored bytes (tied weights) count them once.
+    stored = {(s.bytes.file, s.bytes.offset, s.bytes.nbytes, s.bytes.stored_nbytes)
+              for e in manifest.tensors.values() for s in e.shards}
+    raw_bytes, stored_bytes = sum(r[2] for r in stored), sum(r[3] for r in stored)
     return {
         "path": checkpoint.path,
         "generation": checkpoint.generation,
@@ -40,7 +43,10 @@ def summarize(checkpoint: Checkpoint, *, filters: Sequence[str] = ()) -> dict[st
         "world_size": manifest.world_size,
         "unsafe_pickle": manifest.unsafe_pickle,
         "files": len(manifest.files),
-        "tensor_bytes": sum(nbytes for _, _, nbytes in stored),
+        "tensor_bytes": raw_bytes,
+        "stored_tensor_bytes": stored_bytes,
+        "ratio": _ratio(raw_bytes, stored_bytes),
+        "compression": None if manifest.compression is None else manifest.compression.to_manifest(),
         "value_bytes": sum(r.nbytes for e in manifest.objects.values() for r, _ in e.records),
         "components": components,
         "tensors": [_tensor_row(e) for name, e in manifest.tensors.items() if wanted(name)],
@@ -90,7 +96,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"format       bcp v{summary['format_version']}, written by {summary['writer'] or '?'} "
         f"at {summary['created']}",
         f"saved from   {summary['framework']}, world size {summary['world_size']}",
-        f"data         {human_bytes(summary['tensor_bytes'])} of tensors, "
+        f"data         {human_bytes(summary['tensor_bytes'])} of tensors{_stored_as(summary)}, "
         f"{human_bytes(summary['value_bytes'])} of values, in {summary['files']} file(s)",
         "components   " + ", ".join(f"{name} ({_count(c['tensors'], 'tensor')}, {_count(c['values'], 'value')})"
                                    for name, c in summary["components"].items()),
@@ -98,9 +104,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary["unsafe_pickle"]:
         lines.append("warning      holds pickled values: loading them needs allow_pickle=True and can run code")
     if summary["tensors"]:
-        lines += ["", *_table(["TENSOR", "DTYPE", "SHAPE", "SIZE", "SHARDS", "LAYOUT"], [
-            [t["name"], t["dtype"], str(t["shape"]), human_bytes(t["nbytes"]), str(t["shards"]), t["layout"]]
-            for t in summary["tensors"]])]
+        compressed = _compressed(summary)
+        lines += ["", *_table(
+            ["TENSOR", "DTYPE", "SHAPE", "SIZE", *(["STORED", "RATIO"] if compressed else []), "SHARDS", "LAYOUT"],
+            [[t["name"], t["dtype"], str(t["shape"]), human_bytes(t["nbytes"]),
+              *([human_bytes(t["stored_nbytes"]), f"{t['ratio']:.2f}x"] if compressed else []),
+              str(t["shards"]), t["layout"]] for t in summary["tensors"]])]
     if summary["values"]:
         lines += ["", *_table(["VALUE", "RECORDS", "SAVED BY", "SIZE"], [
             [v["name"], str(v["records"]), f"{v['saved_by_ranks']} rank(s)", human_bytes(v["nbytes"])]
@@ -117,9 +126,29 @@ def _state(generation: dict[str, Any]) -> str:
 
 def _tensor_row(entry: TensorEntry) -> dict[str, Any]:
     numel = math.prod(entry.shape)
+    nbytes = numel * itemsize(dtype_from_name(entry.dtype))
+    stored = sum(s.bytes.stored_nbytes for s in entry.shards)
     return {"name": entry.name, "dtype": entry.dtype, "shape": list(entry.shape), "numel": numel,
-            "nbytes": numel * itemsize(dtype_from_name(entry.dtype)), "shards": len(entry.shards),
+            "nbytes": nbytes, "stored_nbytes": stored, "ratio": _ratio(nbytes, stored), "shards": len(entry.shards),
             "layout": layout_of(entry)}
+
+
+def _ratio(raw: int, stored: int) -> float:
+    """Raw bytes per stored byte (1.0 for nothing stored), to 3 decimals."""
+    return round(raw / stored, 3) if stored else 1.0
+
+
+def _compressed(summary: dict[str, Any]) -> bool:
+    return summary["compression"] is not None or summary["stored_tensor_bytes"] != summary["tensor_bytes"]
+
+
+def _stored_as(summary: dict[str, Any]) -> str:
+    """How the tensors' bytes are stored, where compressed: `` (0.8 GiB stored in zstd, 1.50x)``."""
+    if not _compressed(summary):
+        return ""
+    codec = (summary["compression"] or {}).get("codec")
+    return (f" ({human_bytes(summary['stored_tensor_bytes'])} stored" + (f" in {codec}" if codec else "")
+            + f", {summary['ratio']:.2f}x)")
 
 
 def _tiles(intervals: list[tuple[int, int]], size: int) -> bool:

@@ -33,8 +33,11 @@ class VerifyReport:
     generation: int
     tensors: int = 0
     values: int = 0
+    #: Bytes read and checked: compressed chunks as stored (unless decoding).
     bytes_checked: int = 0
     problems: list[Problem] = field(default_factory=list)
+    #: The raw bytes of the ranges found intact (what they hold once decoded).
+    raw_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -138,16 +141,17 @@ class _Verifier:
         try:
             if where.stored is not None and not self.decode:
                 self.check_stored(name, where)
-                return True
-            block = self.manifest.checksum_chunk * BLOCK_CHUNKS
-            buffer = memoryview(bytearray(min(block, where.nbytes)))
-            for start in range(0, where.nbytes, block):
-                view = buffer[: min(block, where.nbytes - start)]
-                self.checkpoint.read_range(where, start, view, name)
-                self.advance(view.nbytes)
+            else:
+                block = self.manifest.checksum_chunk * BLOCK_CHUNKS
+                buffer = memoryview(bytearray(min(block, where.nbytes)))
+                for start in range(0, where.nbytes, block):
+                    view = buffer[: min(block, where.nbytes - start)]
+                    self.checkpoint.read_range(where, start, view, name)
+                    self.advance(view.nbytes)
         except CheckpointError as exc:
             self.problem(name, _reason(exc))
             return False
+        self.report.raw_bytes += where.nbytes
         return True
 
     def check_stored(self, name: str, where: ByteRange) -> None:
@@ -170,6 +174,7 @@ class _Verifier:
             try:
                 self.checkpoint.read_range(where, 0, record, name)
                 self.advance(where.nbytes)
+                self.report.raw_bytes += where.nbytes
                 decode_value(record, tree_nbytes, key=name, path=self.report.path, resolve=self.held_tensor)
             except UnsafeCheckpointError:
                 pass  # pickled on purpose: its bytes are verified, unpickling it is not ours to do
