@@ -7,12 +7,14 @@ safetensors and the disk's own floors, on one state, in one run; prints the targ
     .venv/bin/python benchmarks/run.py --full --only distributed --cases "2 -> 1 case"
     .venv/bin/python benchmarks/run.py --only tensors     # the tensor path alone (512 MB; 1 GB with --full)
     .venv/bin/python benchmarks/run.py --only every-step  # a save at every step of a training loop
+    .venv/bin/python benchmarks/run.py --only compression # codecs, bcp, DCP on trained weights, disk and S3
 
 Each group of cases runs in fresh processes (1 process; 2 gloo processes; 1 process for memory;
 the tensor path's 1 and 2 gloo processes; 1 process for incremental saves of a 1 GB fine-tuning
 state, whatever the profile; 1 process for a training loop with a save at every step, its size set
-by the profile's ``every_step``), then ``planning_scale.py`` runs once. ``--size-mb`` sets the tensor
-path's size too. The report and the raw results go to
+by the profile's ``every_step``; 1 process for compression on the states of a model it trains, its
+size set by the profile's ``compression``, with a SeaweedFS server of its own), then
+``planning_scale.py`` runs once. ``--size-mb`` sets the tensor path's size too. The report and the raw results go to
 ``benchmarks/results/<date>-<time>-<profile>.md`` and ``.json``, which git ignores; the tracked
 ``docs/benchmarks.md`` changes only through ``benchmarks/publish.py`` (``make bench-docs``).
 """
@@ -30,7 +32,7 @@ import tempfile
 import time
 from importlib import metadata
 
-from bcpbench import distributed, every_step, incremental, memory, single, tensor_path
+from bcpbench import compression, distributed, every_step, incremental, memory, single, tensor_path
 from bcpbench.disk import free_bytes, remove
 from bcpbench.launch import launch
 from bcpbench.record import Record
@@ -42,12 +44,16 @@ PROFILES = {
     "quick": {"size_mb": 256, "reps": 5, "small_tensors": 1000, "tensor_path_mb": 512, "timeout_s": 1800,
               # 192 MiB of parameters and AdamW moments, a step of ~170 ms on one core: about 40 s (a
               # smaller step is dominated by each save's fixed costs on a loaded 2-core machine)
-              "every_step": {"width": 2048, "layers": 4, "batch": 128, "steps": 8, "rounds": 3, "saves": 60}},
+              "every_step": {"width": 2048, "layers": 4, "batch": 128, "steps": 8, "rounds": 3, "saves": 60},
+              # 9.5 M parameters: 19 MB of bf16 weights, 133 MB of mixed-precision state; ~25 s of training
+              "compression": {"width": 1024, "layers": 8, "batch": 64, "steps": 200}},
     "full": {"size_mb": 2048, "reps": 5, "small_tensors": 2000, "tensor_path_mb": 1024, "timeout_s": 7200,
              # 384 MiB of parameters and AdamW moments, a step of 210-340 ms on one core: about 7 min
-             "every_step": {"width": 2048, "layers": 8, "batch": 128, "steps": 12, "rounds": 3, "saves": 1000}},
+             "every_step": {"width": 2048, "layers": 8, "batch": 128, "steps": 12, "rounds": 3, "saves": 1000},
+             # 38 M parameters: 76 MB of bf16 weights, 530 MB of mixed-precision state
+             "compression": {"width": 2048, "layers": 8, "batch": 64, "steps": 200}},
 }
-GROUPS = ("single", "distributed", "memory", "tensors", "incremental", "every-step", "planning")
+GROUPS = ("single", "distributed", "memory", "tensors", "incremental", "every-step", "compression", "planning")
 
 
 def parse() -> argparse.Namespace:
@@ -81,7 +87,7 @@ def main() -> None:
     config = {"size_bytes": size_bytes, "reps": reps, "workdir": workdir, "io_threads": args.io_threads,
               "dcp_threads": args.dcp_threads, "small_tensors": settings["small_tensors"], "small_floats": 256,
               "fsdp1_bytes": size_bytes, "saves": args.saves, "cases": args.cases,
-              "every_step": settings["every_step"],
+              "every_step": settings["every_step"], "compression": settings["compression"],
               "tensor_path_bytes": int((args.size_mb or settings["tensor_path_mb"]) * (1 << 20))}
     _check_room(workdir, size_bytes)
     started, load_before, disk_before = time.time(), _load(), free_bytes(workdir)
@@ -122,7 +128,8 @@ def _run_groups(only: list[str], config: dict, timeout_s: float) -> Record:
     record = Record()
     for name, fn, world in (("single", single.run, 1), ("distributed", distributed.run, 2), ("memory", memory.run, 1),
                             ("tensors", tensor_path.one_process, 1), ("tensors", tensor_path.two_processes, 2),
-                            ("incremental", incremental.run, 1), ("every-step", every_step.run, 1)):
+                            ("incremental", incremental.run, 1), ("every-step", every_step.run, 1),
+                            ("compression", compression.run, 1)):
         if name in only:
             print(f"[bench] {name}: {world} process(es), {config['reps']} reps", flush=True)
             t0 = time.time()
