@@ -211,7 +211,7 @@ class Checkpoint:
             return
         by_table: dict[int, tuple[Any, list[str], list[np.ndarray], list[np.ndarray]]] = {}
         for name in names:
-            table, first, count = self.tensors[name].table_rows()
+            table, first, count = self.tensors[name].table_rows(self.manifest.checksum_chunk)
             _, group, rows, owners = by_table.setdefault(id(table), (table, [], [], []))
             rows.append(np.arange(first, first + count, dtype=np.int64))
             owners.append(np.full(count, len(group), dtype=np.int64))
