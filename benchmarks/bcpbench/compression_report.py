@@ -57,7 +57,7 @@ def _side_by_side(record: Record, label: str) -> list[str]:
               "| load vs bcp |"),
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, f in codec_figures.items():
-        lines.append(f"| {name} (codec alone) | {_codec_ratio(f['raw'], f['stored'], f['differ'])} | "
+        lines.append(f"| codec alone: {name} | {_codec_ratio(f['raw'], f['stored'], f['differ'])} | "
                      f"{f['compress_cpu_s']:.3g} | {f['decompress_cpu_s']:.3g} | "
                      f"{_rate(f['raw'], f['compress_cpu_s'])} | {_rate(f['raw'], f['decompress_cpu_s'])} | - | - |")
     for method in record.samples.get(save_case, {}):
