@@ -60,7 +60,7 @@ def time_ratio(record: Record, label: str, what: str, where: str) -> float | Non
 def run(config: dict[str, Any]) -> dict:
     record = Record()
     settings = config["compression"]
-    trained = train(settings["width"], settings["layers"], settings["steps"], settings["batch"])
+    trained = train(settings["width"], settings["layers"], settings["steps"], settings["batch"], settings["lr"])
     record.figures[TRAINING] = {**settings, **trained.figures, "bcp_compresses": bcp_compresses()}
     io = config["io_threads"]
     savers = [Bcp(io_threads=io), Dcp(), Dcp(zstd=True)]

@@ -32,7 +32,8 @@ def _training(record: Record, t: dict) -> list[str]:
     missing = "" if t["bcp_compresses"] else (" The bcp measured has no `compression` option: its compressed rows "
                                               "are missing.")
     return [(f"An MLP of {t['layers']} blocks (LayerNorm, Linear {t['width']} x {t['width']}, GELU) and an output "
-             f"Linear, trained in the run for {t['steps']} AdamW steps (batch {t['batch']}, {t['seconds']:.0f} s) "
+             f"Linear, trained in the run for {t['steps']} AdamW steps (learning rate {t['lr']:g}, batch {t['batch']}, "
+             f"{t['seconds']:.0f} s) "
              f"on a fixed synthetic data set: loss {t['first_loss']:.3g} -> {t['last_loss']:.3g}. Its weight "
              f"matrices moved by {t['relative_change']:.0%} of their initial norm, and their values' distribution "
              f"lies at a Kolmogorov-Smirnov distance of {t['ks_distance']:.3f} from the initial one (medians over "

@@ -26,10 +26,10 @@ class Trained:
     figures: dict[str, float]  # what training did: steps, losses, how far the weights moved
 
 
-def train(width: int, layers: int, steps: int, batch: int, seed: int = 0) -> Trained:
+def train(width: int, layers: int, steps: int, batch: int, lr: float, seed: int = 0) -> Trained:
     """An MLP of ``layers`` blocks (LayerNorm, Linear(width, width), GELU) and an output Linear,
-    trained ``steps`` steps of AdamW (lr 1e-3, weight decay 0.1) to reproduce a 2-layer random
-    teacher's outputs on ``BATCHES`` fixed batches of random inputs."""
+    trained ``steps`` steps of AdamW (learning rate ``lr``, weight decay 0.1) to reproduce a 2-layer
+    random teacher's outputs on ``BATCHES`` fixed batches of random inputs."""
     torch.manual_seed(seed)
     blocks = [m for _ in range(layers) for m in (nn.LayerNorm(width), nn.Linear(width, width), nn.GELU())]
     model = nn.Sequential(*blocks, nn.Linear(width, width))
@@ -38,7 +38,7 @@ def train(width: int, layers: int, steps: int, batch: int, seed: int = 0) -> Tra
     inputs = torch.randn(BATCHES, batch, width)
     targets = teacher(inputs)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses, started = [], time.perf_counter()
     for step in range(steps):
         loss = nn.functional.mse_loss(model(inputs[step % BATCHES]), targets[step % BATCHES])
