@@ -7,7 +7,8 @@ import torch
 
 def fixture_state(version: int) -> dict:
     """The state of fixture ``format-v<version>``: version 2 adds tensors held outside the model (a
-    dict of tensors, a bare tensor), which that version saves as tensors of their own."""
+    dict of tensors, a bare tensor), which that version saves as tensors of their own; version 4
+    tensors large enough to compress (in byte planes, as whole bytes) beside chunks stored raw."""
     state = {
         "model": {
             "weight": torch.arange(24, dtype=torch.float32).reshape(4, 6) / 7,
@@ -21,14 +22,18 @@ def fixture_state(version: int) -> dict:
         state["ema"] = {"weight": torch.arange(24, dtype=torch.float32).reshape(4, 6) / 9, "decay": 0.99,
                         "history": [torch.tensor([1, 2], dtype=torch.int32), "kept"]}
         state["rng"] = torch.arange(8, dtype=torch.uint8)
+    if version >= 4:
+        state["model"]["wide"] = (torch.arange(4096) % 61 / 64).to(torch.bfloat16)
+        state["model"]["ids"] = torch.arange(2048, dtype=torch.int64) % 10
     return state
 
 
 def fixture_saves(version: int) -> list[dict]:
     """The saves that wrote fixture ``format-v<version>``, the last one's state being
     :func:`fixture_state`'s. Version 3 is an incremental save after one whose ``model/weight``
-    differed: its manifest lists the first generation's data file for every other tensor."""
-    if version < 3:
+    differed: its manifest lists the first generation's data file for every other tensor. Version 4
+    is one compressed save."""
+    if version != 3:
         return [fixture_state(version)]
     earlier = fixture_state(version)
     earlier["model"] = dict(earlier["model"], weight=torch.zeros(4, 6))

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+import bcp
+import bcp.tools
 from bcp.chunk_codecs import (RAW, ZSTD, ZSTD_PLANES, ChunkDecodeError, Compression, compress_chunk, decompress_chunk,
                               join_planes, split_planes)
 from bcp.errors import CorruptCheckpointError
@@ -18,6 +20,8 @@ from bcp.layout.box import Box
 from bcp.layout.dtypes import plane_width
 from bcp.layout.manifest import Manifest, TensorEntry
 from bcp.layout.shard_table import ByteRange, ShardEntry, StoredChunks
+from bcp.storage import LocalStorage
+from models import rank, read_manifest
 
 CHUNK = 1 << 20
 
@@ -163,3 +167,231 @@ def test_a_stored_length_that_is_not_the_sum_of_its_chunks_is_refused():
     doc = doc.replace(b'"crc32c":%d' % crc32c.crc32c(table), b'"crc32c":%d' % crc32c.crc32c(hostile))
     with pytest.raises(CorruptCheckpointError, match="not the sum of its chunks"):
         Manifest.decode(doc, hostile)
+
+
+# --- saves and loads -------------------------------------------------------------------------------
+
+class CountedReads(LocalStorage):
+    """Records every read of a data file: ``(name, offset, nbytes)``, through either read path."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.reads: list[tuple[str, int, int]] = []
+
+    def read_into_many(self, name, offset, dests):
+        if "/data/" in name:
+            self.reads.append((name, offset, sum(memoryview(d).nbytes for d in dests)))
+        return super().read_into_many(name, offset, dests)
+
+    def read_views(self, name, offset, sizes):
+        if "/data/" in name:
+            self.reads.append((name, offset, sum(sizes)))
+        return super().read_views(name, offset, sizes)
+
+
+def chunks_read(reads: list[tuple[str, int, int]], manifest: Manifest, name: str) -> list[set[int]]:
+    """For each shard of tensor ``name``, the chunks whose stored bytes the reads fetched; every read
+    must be whole stored chunks (of one or several shards)."""
+    out = []
+    for shard in manifest.tensors[name].shards:
+        where, file = shard.bytes, manifest.files[shard.bytes.file]
+        bounds = [where.offset + s for s in where.stored.starts()]
+        hit = set()
+        for read_file, offset, nbytes in reads:
+            if not read_file.endswith(file) or offset >= bounds[-1] or offset + nbytes <= bounds[0]:
+                continue
+            assert max(offset, bounds[0]) in bounds and min(offset + nbytes, bounds[-1]) in bounds, \
+                f"a read of [{offset}, {offset + nbytes}) is not whole stored chunks of {bounds}"
+            hit |= {j for j in range(len(bounds) - 1) if offset <= bounds[j] < offset + nbytes}
+        out.append(hit)
+    return out
+
+
+def trained_like_state() -> dict[str, torch.Tensor]:
+    return {"w": _trained_like(torch.bfloat16, 4096 * 1024).reshape(4096, 1024),   # 8 chunks
+            "master": _trained_like(torch.float32, 3 * CHUNK // 4 + 1000),           # 4 chunks, the last short
+            "noise": torch.randint(0, 256, (CHUNK + 77,), dtype=torch.uint8,
+                                   generator=torch.Generator().manual_seed(5))}       # incompressible
+
+
+ROUND_TRIP_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
+                     torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]
+ROUND_TRIP_DTYPES += [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d]
+
+
+def _value(dtype: torch.dtype, n: int) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.arange(n) % 3 == 0
+    if dtype.is_floating_point or dtype.is_complex:
+        return _trained_like(torch.float32 if dtype.itemsize < 2 else dtype, n).to(dtype)
+    return (torch.arange(n) % 100).to(dtype)
+
+
+def test_every_dtype_round_trips_bitwise_compressed(tmp_path):
+    state = {str(d).removeprefix("torch."): _value(d, 300_001) for d in ROUND_TRIP_DTYPES}
+    state |= {"small": torch.arange(7, dtype=torch.float32), "scalar": torch.tensor(2.5, dtype=torch.bfloat16),
+              "empty": torch.empty(0, 3, dtype=torch.float16)}
+    bcp.save(tmp_path, state, compression="zstd", metrics_log=False)
+    manifest = read_manifest(tmp_path)
+    assert manifest.version == 4 and manifest.compression == Compression("zstd", 1)
+    codecs = {name: {c for s in e.shards for c in (s.bytes.stored.codecs if s.bytes.stored else (RAW,))}
+              for name, e in manifest.tensors.items()}
+    assert codecs["bfloat16"] == codecs["float32"] == {ZSTD_PLANES} and codecs["int64"] == {ZSTD}
+    assert codecs["small"] == codecs["scalar"] == {RAW} and codecs["empty"] <= {RAW}  # too small to shrink
+    live = {name: torch.zeros_like(t) for name, t in state.items()}
+    bcp.load(tmp_path, live, metrics_log=False)
+    for name, tensor in state.items():
+        assert torch.equal(live[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+    assert bcp.tools.verify_checkpoint(tmp_path).ok and bcp.tools.verify_checkpoint(tmp_path, decode=True).ok
+
+
+def test_incompressible_chunks_are_stored_raw_and_the_file_holds_the_stored_bytes(tmp_path):
+    state = trained_like_state()
+    bcp.save(tmp_path, state, compression=bcp.Compression(level=1), metrics_log=False)
+    manifest = read_manifest(tmp_path)
+    noise = manifest.tensors["noise"].shards[0].bytes
+    assert noise.stored is None  # every chunk raw: read as an uncompressed shard
+    weights = manifest.tensors["w"].shards[0].bytes
+    assert set(weights.stored.codecs) == {ZSTD_PLANES} and weights.nbytes / weights.stored_nbytes > 1.3
+    stored = sum(s.bytes.stored_nbytes for e in manifest.tensors.values() for s in e.shards)
+    data = tmp_path / f"gen-{manifest.generation:08d}" / manifest.files[0]
+    assert data.stat().st_size == stored  # values aside, which this state has none of
+    live = {name: torch.zeros_like(t) for name, t in state.items()}
+    bcp.load(tmp_path, live, metrics_log=False)
+    assert all(torch.equal(live[n], state[n]) for n in state)
+
+
+def test_an_uncompressed_save_is_unchanged(tmp_path):
+    bcp.save(tmp_path, trained_like_state(), metrics_log=False)
+    manifest = read_manifest(tmp_path)
+    assert manifest.version == 1 and manifest.compression is None
+    assert all(s.bytes.stored is None for e in manifest.tensors.values() for s in e.shards)
+
+
+@pytest.mark.parametrize("writer", ["process", "threads"])
+def test_an_asynchronous_save_compresses_in_the_writer_process_or_threads(tmp_path, writer):
+    state = trained_like_state()
+    bcp.save(tmp_path, state, compression="zstd", async_save=True, async_writer=writer, metrics_log=False).wait()
+    manifest = read_manifest(tmp_path)
+    assert manifest.version == 4 and set(manifest.tensors["w"].shards[0].bytes.stored.codecs) == {ZSTD_PLANES}
+    live = {name: torch.zeros_like(t) for name, t in state.items()}
+    bcp.load(tmp_path, live, metrics_log=False)
+    assert all(torch.equal(live[n], state[n]) for n in state)
+
+
+def test_an_unknown_codec_is_refused_clearly(tmp_path):
+    with pytest.raises(bcp.CheckpointError, match="unknown compression codec 'brotli'"):
+        bcp.save(tmp_path, {"w": torch.zeros(3)}, compression="brotli")
+
+
+def test_a_slice_through_read_tensor_decodes_only_the_chunks_that_hold_it(tmp_path):
+    state = trained_like_state()
+    bcp.save(tmp_path, state, compression="zstd", metrics_log=False)
+    manifest = read_manifest(tmp_path)
+    storage = CountedReads(tmp_path)
+    rows = bcp.tools.read_tensor(storage, "w", (slice(1000, 1100),))  # bytes [2,048,000, 2,252,800)
+    assert torch.equal(rows, state["w"][1000:1100])
+    assert chunks_read(storage.reads, manifest, "w") == [{1, 2}]
+    storage.reads.clear()
+    column = bcp.tools.read_tensor(storage, "w", (slice(None), 3))  # strided: every chunk holds some
+    assert torch.equal(column, state["w"][:, 3])
+    assert chunks_read(storage.reads, manifest, "w") == [set(range(8))]
+    storage.reads.clear()
+    tail = bcp.tools.read_tensor(storage, "master", (slice(3 * CHUNK // 4 + 10, None),))  # in the short last chunk
+    assert torch.equal(tail, state["master"][3 * CHUNK // 4 + 10:])
+    assert chunks_read(storage.reads, manifest, "master") == [{3}]
+
+
+def save_rows(path: str, parts: int) -> None:
+    """Rank r saves rows r/parts of ``w`` (compressed)."""
+    full = trained_like_state()["w"]
+    rows = full.shape[0] // parts
+    shard = bcp.TensorShard(full[rank() * rows:(rank() + 1) * rows].clone(), tuple(full.shape), (rank() * rows, 0))
+    bcp.save(path, {"model": {"w": shard}}, compression="zstd", metrics_log=False)
+
+
+def load_rows(path: str, parts: int) -> tuple[bool, list[tuple[str, int, int]]]:
+    """Rank r loads rows r/parts of ``w``: whether they are bitwise right, and its data reads."""
+    full = trained_like_state()["w"]
+    rows = full.shape[0] // parts
+    start, end = rank() * rows, (rank() + 1) * rows if rank() < parts - 1 else full.shape[0]
+    live = bcp.TensorShard(torch.zeros(end - start, full.shape[1], dtype=full.dtype), tuple(full.shape), (start, 0))
+    storage = CountedReads(path)
+    bcp.load(storage, {"model": {"w": live}}, metrics_log=False)
+    return torch.equal(live.tensor, full[start:end]), storage.reads
+
+
+def test_two_ranks_saved_compressed_load_into_one_reading_every_chunk_once(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    ranks(2).run(save_rows, path, 2)
+    right, reads = load_rows(path, 1)
+    assert right
+    manifest = read_manifest(path)
+    assert chunks_read(reads, manifest, "model/w") == [set(range(4)), set(range(4))]
+    stored = sum(s.bytes.stored_nbytes for s in manifest.tensors["model/w"].shards)
+    assert sum(n for _, _, n in reads) == stored  # each chunk read once
+
+
+def test_one_rank_saved_compressed_loads_into_three_each_reading_only_its_chunks(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    save_rows(path, 1)
+    results = ranks(3).run(load_rows, path, 3)
+    manifest = read_manifest(path)
+    # rows of 2 KiB: rank 0 rows [0, 1365) = bytes [0, 2.67 MiB), rank 1 [1365, 2730), rank 2 the rest
+    assert [right for right, _ in results] == [True, True, True]
+    assert [chunks_read(reads, manifest, "model/w") for _, reads in results] == [[{0, 1, 2}], [{2, 3, 4, 5}],
+                                                                                 [{5, 6, 7}]]
+
+
+def _damage(path, name: str, at: int, manifest: Manifest | None = None) -> None:
+    """Flip the byte ``at`` bytes into the stored bytes of tensor ``name``'s first shard."""
+    manifest = manifest or read_manifest(path)
+    where = manifest.tensors[name].shards[0].bytes
+    data = path / f"gen-{manifest.generation:08d}" / manifest.files[where.file]
+    raw = bytearray(data.read_bytes())
+    raw[where.offset + at] ^= 0x10
+    data.write_bytes(bytes(raw))
+
+
+def test_a_flipped_byte_in_a_compressed_chunk_is_named_by_verify_and_refused_by_a_load(tmp_path):
+    state = trained_like_state()
+    bcp.save(tmp_path, state, compression="zstd", metrics_log=False)
+    manifest = read_manifest(tmp_path)
+    starts = manifest.tensors["w"].shards[0].bytes.stored.starts()
+    _damage(tmp_path, "w", starts[5] + 100, manifest)
+    report = bcp.tools.verify_checkpoint(tmp_path)
+    assert [(p.entry, "compressed chunk 5" in p.message) for p in report.problems] == [("w", True)]
+    live = {name: torch.full_like(t, 3) for name, t in state.items()}
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"compressed chunk 5 .*entry 'w'"):
+        bcp.load(tmp_path, live, metrics_log=False)
+    assert all(torch.equal(t, torch.full_like(t, 3)) for t in live.values())  # nothing placed
+    # a slice that does not reach the damaged chunk still reads
+    assert torch.equal(bcp.tools.read_tensor(tmp_path, "w", (slice(0, 10),)), state["w"][:10])
+
+
+def test_a_damaged_frame_is_refused_even_without_verification(tmp_path):
+    state = trained_like_state()
+    bcp.save(tmp_path, state, compression="zstd", metrics_log=False)
+    _damage(tmp_path, "w", 0)  # the first frame's magic number
+    with pytest.raises(bcp.CorruptCheckpointError, match=r"compressed chunk 0 .* does not decode to its 1048576 bytes"):
+        bcp.load(tmp_path, {name: torch.zeros_like(t) for name, t in state.items()}, verify=False, metrics_log=False)
+
+
+def test_a_truncated_data_file_of_compressed_chunks_is_refused_clearly(tmp_path):
+    state = trained_like_state()
+    bcp.save(tmp_path, state, compression="zstd", metrics_log=False)
+    manifest = read_manifest(tmp_path)
+    data = tmp_path / f"gen-{manifest.generation:08d}" / manifest.files[0]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(bcp.CorruptCheckpointError, match="truncated"):
+        bcp.load(tmp_path, {name: torch.zeros_like(t) for name, t in state.items()}, metrics_log=False)
+    assert not bcp.tools.verify_checkpoint(tmp_path).ok
+
+
+def test_a_bcp_that_reads_only_earlier_versions_refuses_a_version_4_checkpoint(tmp_path, monkeypatch):
+    import bcp.layout.manifest as manifest
+
+    bcp.save(tmp_path, {"w": _trained_like(torch.bfloat16, CHUNK)}, compression="zstd", metrics_log=False)
+    monkeypatch.setattr(manifest, "SUPPORTED_VERSIONS", (1, 2, 3))
+    with pytest.raises(bcp.FormatVersionError, match="format version 4 is not readable by this bcp"):
+        bcp.load(tmp_path, {"w": torch.zeros(CHUNK, dtype=torch.bfloat16)}, metrics_log=False)
