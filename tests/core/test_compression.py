@@ -22,6 +22,7 @@ from bcp.layout.manifest import Manifest, TensorEntry
 from bcp.layout.shard_table import ByteRange, ShardEntry, StoredChunks
 from bcp.storage import LocalStorage
 from models import rank, read_manifest
+from test_read_batching import flip_byte
 
 CHUNK = 1 << 20
 
@@ -343,22 +344,12 @@ def test_one_rank_saved_compressed_loads_into_three_each_reading_only_its_chunks
                                                                                  [{5, 6, 7}]]
 
 
-def _damage(path, name: str, at: int, manifest: Manifest | None = None) -> None:
-    """Flip the byte ``at`` bytes into the stored bytes of tensor ``name``'s first shard."""
-    manifest = manifest or read_manifest(path)
-    where = manifest.tensors[name].shards[0].bytes
-    data = path / f"gen-{manifest.generation:08d}" / manifest.files[where.file]
-    raw = bytearray(data.read_bytes())
-    raw[where.offset + at] ^= 0x10
-    data.write_bytes(bytes(raw))
-
-
 def test_a_flipped_byte_in_a_compressed_chunk_is_named_by_verify_and_refused_by_a_load(tmp_path):
     state = trained_like_state()
     bcp.save(tmp_path, state, compression="zstd", metrics_log=False)
     manifest = read_manifest(tmp_path)
     starts = manifest.tensors["w"].shards[0].bytes.stored.starts()
-    _damage(tmp_path, "w", starts[5] + 100, manifest)
+    flip_byte(tmp_path, manifest, "w", starts[5] + 100)
     report = bcp.tools.verify_checkpoint(tmp_path)
     assert [(p.entry, "compressed chunk 5" in p.message) for p in report.problems] == [("w", True)]
     live = {name: torch.full_like(t, 3) for name, t in state.items()}
@@ -372,7 +363,7 @@ def test_a_flipped_byte_in_a_compressed_chunk_is_named_by_verify_and_refused_by_
 def test_a_damaged_frame_is_refused_even_without_verification(tmp_path):
     state = trained_like_state()
     bcp.save(tmp_path, state, compression="zstd", metrics_log=False)
-    _damage(tmp_path, "w", 0)  # the first frame's magic number
+    flip_byte(tmp_path, read_manifest(tmp_path), "w", 0)  # the first frame's magic number
     with pytest.raises(bcp.CorruptCheckpointError, match=r"compressed chunk 0 .* does not decode to its 1048576 bytes"):
         bcp.load(tmp_path, {name: torch.zeros_like(t) for name, t in state.items()}, verify=False, metrics_log=False)
 
@@ -395,3 +386,22 @@ def test_a_bcp_that_reads_only_earlier_versions_refuses_a_version_4_checkpoint(t
     monkeypatch.setattr(manifest, "SUPPORTED_VERSIONS", (1, 2, 3))
     with pytest.raises(bcp.FormatVersionError, match="format version 4 is not readable by this bcp"):
         bcp.load(tmp_path, {"w": torch.zeros(CHUNK, dtype=torch.bfloat16)}, metrics_log=False)
+
+
+def load_whole_read_once(path: str) -> tuple[bool, int]:
+    """Every rank loads the whole of ``w`` with ``read_once``: whether it is bitwise right, and the
+    stored bytes this rank read."""
+    full = trained_like_state()["w"]
+    live = {"model": {"w": torch.zeros_like(full)}}
+    storage = CountedReads(path)
+    bcp.load(storage, live, read_once=True, metrics_log=False)
+    return torch.equal(live["model"]["w"], full), sum(n for _, _, n in storage.reads)
+
+
+def test_replicas_read_once_share_decoded_bytes(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    save_rows(path, 1)
+    results = ranks(2).run(load_whole_read_once, path)
+    stored = read_manifest(path).tensors["model/w"].shards[0].bytes.stored_nbytes
+    assert [right for right, _ in results] == [True, True]
+    assert sum(nbytes for _, nbytes in results) == stored  # read by one rank, received by the other
