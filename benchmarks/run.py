@@ -8,12 +8,14 @@ safetensors and the disk's own floors, on one state, in one run; prints the targ
     .venv/bin/python benchmarks/run.py --only tensors     # the tensor path alone (512 MB; 1 GB with --full)
     .venv/bin/python benchmarks/run.py --only every-step  # a save at every step of a training loop
     .venv/bin/python benchmarks/run.py --only cold-floor  # cold loads of plain dicts vs the raw read (896 MB)
+    .venv/bin/python benchmarks/run.py --only compression # codecs, bcp, DCP on trained weights, disk and S3
 
 Each group of cases runs in fresh processes (1 process; 2 gloo processes; 1 process for memory;
 the tensor path's 1 and 2 gloo processes; 1 process for incremental saves of a 1 GB fine-tuning
 state, whatever the profile; 1 process for a training loop with a save at every step, its size set
-by the profile's ``every_step``), then ``planning_scale.py`` runs once. ``--size-mb`` sets the tensor
-path's size too. The report and the raw results go to
+by the profile's ``every_step``; 1 process for compression on the states of a model it trains, its
+size set by the profile's ``compression``, with a SeaweedFS server of its own), then
+``planning_scale.py`` runs once. ``--size-mb`` sets the tensor path's size too. The report and the raw results go to
 ``benchmarks/results/<date>-<time>-<profile>.md`` and ``.json``, which git ignores; the tracked
 ``docs/benchmarks.md`` changes only through ``benchmarks/publish.py`` (``make bench-docs``).
 """
@@ -31,7 +33,7 @@ import tempfile
 import time
 from importlib import metadata
 
-from bcpbench import cold_floor, distributed, every_step, incremental, memory, single, tensor_path
+from bcpbench import cold_floor, compression, distributed, every_step, incremental, memory, single, tensor_path
 from bcpbench.disk import free_bytes, remove
 from bcpbench.launch import launch
 from bcpbench.record import Record
@@ -45,13 +47,20 @@ PROFILES = {
               "timeout_s": 1800,
               # 192 MiB of parameters and AdamW moments, a step of ~170 ms on one core: about 40 s (a
               # smaller step is dominated by each save's fixed costs on a loaded 2-core machine)
-              "every_step": {"width": 2048, "layers": 4, "batch": 128, "steps": 8, "rounds": 3, "saves": 60}},
+              "every_step": {"width": 2048, "layers": 4, "batch": 128, "steps": 8, "rounds": 3, "saves": 60},
+              # 9.5 M parameters: 19 MB of bf16 weights, 133 MB of mixed-precision state; ~25 s of training
+              "compression": {"width": 1024, "layers": 8, "batch": 64, "steps": 200, "lr": 1e-3}},
     "full": {"size_mb": 2048, "reps": 5, "small_tensors": 2000, "tensor_path_mb": 1024, "cold_floor_mb": 2048,
              "timeout_s": 7200,
              # 384 MiB of parameters and AdamW moments, a step of 210-340 ms on one core: about 7 min
-             "every_step": {"width": 2048, "layers": 8, "batch": 128, "steps": 12, "rounds": 3, "saves": 1000}},
+             "every_step": {"width": 2048, "layers": 8, "batch": 128, "steps": 12, "rounds": 3, "saves": 1000},
+             # 38 M parameters: 76 MB of bf16 weights, 530 MB of mixed-precision state. A lower learning
+             # rate: Adam moves every weight by about lr whatever the width, and at 1e-3 this width's loss
+             # fell only from 0.25 to 0.21 in 200 steps (to 0.023 in 100 at 3e-4)
+             "compression": {"width": 2048, "layers": 8, "batch": 64, "steps": 200, "lr": 3e-4}},
 }
-GROUPS = ("single", "distributed", "memory", "tensors", "cold-floor", "incremental", "every-step", "planning")
+GROUPS = ("single", "distributed", "memory", "tensors", "cold-floor", "incremental", "every-step", "compression",
+          "planning")
 
 
 def parse() -> argparse.Namespace:
@@ -85,7 +94,7 @@ def main() -> None:
     config = {"size_bytes": size_bytes, "reps": reps, "workdir": workdir, "io_threads": args.io_threads,
               "dcp_threads": args.dcp_threads, "small_tensors": settings["small_tensors"], "small_floats": 256,
               "fsdp1_bytes": size_bytes, "saves": args.saves, "cases": args.cases,
-              "every_step": settings["every_step"],
+              "every_step": settings["every_step"], "compression": settings["compression"],
               "tensor_path_bytes": int((args.size_mb or settings["tensor_path_mb"]) * (1 << 20)),
               "cold_floor_bytes": int((args.size_mb or settings["cold_floor_mb"]) * (1 << 20))}
     _check_room(workdir, size_bytes)
@@ -128,7 +137,8 @@ def _run_groups(only: list[str], config: dict, timeout_s: float) -> Record:
     for name, fn, world in (("single", single.run, 1), ("distributed", distributed.run, 2), ("memory", memory.run, 1),
                             ("tensors", tensor_path.one_process, 1), ("tensors", tensor_path.two_processes, 2),
                             ("cold-floor", cold_floor.run, 1),
-                            ("incremental", incremental.run, 1), ("every-step", every_step.run, 1)):
+                            ("incremental", incremental.run, 1), ("every-step", every_step.run, 1),
+                            ("compression", compression.run, 1)):
         if name in only:
             print(f"[bench] {name}: {world} process(es), {config['reps']} reps", flush=True)
             t0 = time.time()

@@ -24,11 +24,12 @@ FIRST_SAVE = "bcp, first save of the structure"  # a bcp save on a channel with 
 
 class Bcp:
     """``bcp.save`` / ``bcp.load`` of ``{"model": state}``; ``coordinator`` picks the ranks (and,
-    through its channel, the plan cache entry)."""
+    through its channel, the plan cache entry); ``compression`` names the codec saves use (None:
+    bcp's default)."""
 
     def __init__(self, name: str = "bcp", coordinator: Callable[[], Any] | None = None,
                  io_threads: int = 4, verify: bool = True, read_once: bool = False,
-                 transactional: bool = True, metrics_log: bool = False) -> None:
+                 transactional: bool = True, metrics_log: bool = False, compression: str | None = None) -> None:
         self.name = name
         self._coordinator = coordinator or (lambda: None)
         self.io_threads = io_threads
@@ -36,11 +37,13 @@ class Bcp:
         self.read_once = read_once
         self.transactional = transactional
         self.metrics_log = metrics_log
+        self.compressed = {} if compression is None else {"compression": compression}
         self.last_save: bcp.PhaseStats | None = None
         self.last_load: bcp.PhaseStats | None = None
 
     def save(self, path: str, state: Tensors) -> None:
-        handle = bcp.save(path, {"model": state}, coordinator=self._coordinator(), io_threads=self.io_threads)
+        handle = bcp.save(path, {"model": state}, coordinator=self._coordinator(), io_threads=self.io_threads,
+                          **self.compressed)
         self.last_save = handle.stats
 
     def save_async(self, path: str, state: Tensors) -> bcp.SaveHandle:
@@ -74,17 +77,22 @@ class PlanChannel(bcp.SingleProcessCoordinator):
 
 class Dcp:
     """``torch.distributed.checkpoint`` with its file system writer (``thread_count`` writer
-    threads; 1 is DCP's default) and reader. ``single_rank`` loads on one rank of a group."""
+    threads; 1 is DCP's default) and reader. ``single_rank`` loads on one rank of a group. ``zstd``
+    adds DCP's experimental zstd stream extension (``_extension.ZStandard``: each file's stream
+    through ``zstandard``'s stream writer at its default level, 3), which its reader undoes."""
 
-    def __init__(self, threads: int = 1, single_rank: bool = False) -> None:
+    def __init__(self, threads: int = 1, single_rank: bool = False, zstd: bool = False) -> None:
         self.threads = threads
-        self.name = "DCP" if threads == 1 else f"DCP thread_count={threads}"
+        self.name = ("DCP" if threads == 1 else f"DCP thread_count={threads}") + (", zstd extension" if zstd else "")
         self.single_rank = single_rank
+        self.zstd = zstd
 
     def save(self, path: str, state: Tensors) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._extension import ZStandard
 
-        dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(path, thread_count=self.threads))
+        writer = dcp.FileSystemWriter(path, thread_count=self.threads, _extensions=[ZStandard()] if self.zstd else None)
+        dcp.save({"model": state}, storage_writer=writer)
 
     def load(self, path: str, dest: Tensors) -> Tensors:
         import torch.distributed.checkpoint as dcp

@@ -1,7 +1,7 @@
 """One run's record as Markdown, cut into named blocks, one per checkpoint path: how it was
 measured, the targets, saves, loads, async saves, FSDP1 saves, per-tensor overhead and phases,
-planning at scale, a save at every step, and how to read a missed target. ``render`` joins every block into the run's
-results file; ``benchmarks/publish.py`` puts the same blocks into ``docs/benchmarks.md``."""
+planning at scale, a save at every step, compression, and how to read a missed target. ``render``
+joins every block into the run's results file; ``benchmarks/publish.py`` puts the same blocks into ``docs/benchmarks.md``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bcpbench import distributed as d2
-from bcpbench import cold_floor, every_step, fsdp1, incremental
+from bcpbench import cold_floor, compression_report, every_step, fsdp1, incremental
 from bcpbench import single as d1
 from bcpbench import tensor_path as tp
 from bcpbench.methods import FIRST_SAVE
@@ -48,6 +48,7 @@ def blocks(record: Record, run: dict[str, Any]) -> dict[str, tuple[str, list[str
         "planning": ("Planning at scale", lambda: _planning_scale(run.get("planning_scale"))),
         "incremental": ("Incremental saves", lambda: incremental.report_lines(record)),
         "every-step": ("A save at every step", lambda: every_step.report_lines(record)),
+        "compression": ("Compression", lambda: compression_report.report_lines(record)),
         "reading": ("Reading a missed target", _reading),
     }
     return {name: (title, make()) for name, (title, make) in makers.items()}

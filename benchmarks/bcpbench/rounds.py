@@ -58,7 +58,7 @@ def run_rounds(record: Record, entries: list[Entry], save_case: str | None, work
     (None: not recorded, where the saves only make the files that the loads read)."""
     for rep in range(-1, reps):
         for entry in rotated(entries, max(rep, 0)):
-            path = os.path.join(workdir, f"{_slug(entry.name)}-{rep + 1}")
+            path = os.path.join(workdir, f"{slug(entry.name)}-{rep + 1}")
             if entry.save is not None:
                 seconds, _ = timed(functools.partial(entry.save, path), group.barrier)
                 if rep >= 0 and group.is_root and save_case is not None:
@@ -115,5 +115,5 @@ def assert_equal(loaded: Tensors, expected: Tensors, what: str) -> None:
             raise AssertionError(f"{what}: {name} differs from what was saved")
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")

@@ -8,6 +8,7 @@ import statistics
 from dataclasses import dataclass
 
 from bcpbench import cold_floor as floor
+from bcpbench import compression as z
 from bcpbench import distributed as d2
 from bcpbench import every_step as every
 from bcpbench import incremental as inc
@@ -128,7 +129,7 @@ def checks(record: Record, scale: dict | None = None) -> list[Check]:
                      written_share(record, tp.EMA), 1.01, False))
     out.append(Check("step time, bcp save at every step vs no checkpoint", every.STEP + ": " + every.OVERLAP,
                      every.step_ratio(record, every.OVERLAP), 1.03, False))
-    return out + incremental_checks(record)
+    return out + incremental_checks(record) + compression_checks(record)
 
 
 def incremental_checks(record: Record) -> list[Check]:
@@ -142,3 +143,16 @@ def incremental_checks(record: Record) -> list[Check]:
                   False),
             Check("load of save 5, incremental vs whole", inc.LOAD,
                   ratio(record.median(inc.LOAD, inc.WHOLE), record.median(inc.LOAD, inc.INCREMENTAL)), 0.9, True)]
+
+
+def compression_checks(record: Record) -> list[Check]:
+    """bcp's compressed checkpoints of trained states: their size against the raw bytes, and on S3
+    their save and load time against uncompressed ones (no slower)."""
+    out = [Check("compressed size: raw bytes / stored bytes", f"{label}: {z.BCP_COMPRESSED}",
+                 z.compressed_ratio(record, label), goal, True)
+           for label, goal in ((z.BF16, 1.4), (z.MIXED, 1.25))]
+    for label in (z.BF16, z.MIXED):
+        for what in ("save", "cold load"):
+            out.append(Check(f"S3 {what} time, bcp uncompressed / compressed", z.case(label, what, z.S3),
+                             z.time_ratio(record, label, what, z.S3), 1.0, True))
+    return out

@@ -14,6 +14,7 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from bcpbench import compression  # noqa: E402
 from bcpbench import distributed as d2  # noqa: E402
 from bcpbench import every_step  # noqa: E402
 from bcpbench import fsdp1  # noqa: E402
@@ -50,7 +51,19 @@ def a_run(profile: str = "full", cases: tuple[str, ...] | None = None) -> dict:
         samples[every_step.BLOCKING] = {every_step.OVERLAP: [0.002]}
         figures[every_step.MODEL] = {"width": 2048, "layers": 8, "batch": 128, "steps": 12, "rounds": 3,
                                      "state_bytes": 384 << 20, "ratios": {every_step.OVERLAP: 1.01}}
-    return {"run": run, "samples": samples, "nbytes": {case: 2131 * 10**6 for case in cases}, "figures": figures}
+        figures[compression.TRAINING] = {"width": 2048, "layers": 8, "batch": 64, "steps": 200, "lr": 3e-4,
+                                         "seconds": 90.0, "first_loss": 0.25, "last_loss": 0.01, "relative_change": 0.5,
+                                         "ks_distance": 0.06, "bcp_compresses": True}
+        for label in (compression.BF16, compression.MIXED):
+            for what in ("save", "cold load"):
+                where = compression.case(label, what, compression.LOCAL)
+                samples[where] = {compression.BCP: [0.5], compression.BCP_COMPRESSED: [0.6]}
+                figures.setdefault(compression.CPU, {})[where] = {compression.BCP: [0.4],
+                                                                  compression.BCP_COMPRESSED: [0.9]}
+            figures.setdefault(compression.STORED, {})[label] = {compression.BCP: 10**8,
+                                                                 compression.BCP_COMPRESSED: 7 * 10**7}
+    nbytes = {case: 2131 * 10**6 for case in (*cases, *(c for c in samples if c.startswith("compression")))}
+    return {"run": run, "samples": samples, "nbytes": nbytes, "figures": figures}
 
 
 def outside_blocks(text: str) -> str:
