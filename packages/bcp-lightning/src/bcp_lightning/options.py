@@ -26,7 +26,7 @@ class Options:
     def of(*, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
            verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS,
            keep_generations: int = DEFAULT_KEEP_GENERATIONS, load_generation: int | None = None,
-           incremental: bool = False) -> "Options":
+           incremental: bool = False, overlap: bool = False) -> "Options":
         """``async_save``: return from a save once bcp has staged it in host memory (it commits in
         the background, in call order; pending saves are waited for before a load, before their path
         is removed, at teardown and at exit). ``allow_pickle``: let values outside bcp's safe
@@ -35,10 +35,13 @@ class Options:
         (``last.ckpt``); each costs the checkpoint's size on disk. ``load_generation``: the kept
         generation that loads read instead of the newest (a roll-back; ``bcp inspect`` lists them).
         ``incremental``: a path saved again (``last.ckpt``) gets only the tensors that changed written
-        (``docs/incremental.md``). The others as in ``bcp.SaveOptions``/``bcp.LoadOptions``."""
+        (``docs/incremental.md``). ``overlap`` (with ``async_save``): return before the parameters and
+        optimizer state are copied to host memory; the fit's optimizers wait for the copy before they
+        step (``bcp.SaveOptions.overlap``). The others as in ``bcp.SaveOptions``/``bcp.LoadOptions``."""
         return Options(save=bcp.SaveOptions(async_save=async_save, allow_pickle=allow_pickle,
                                             verify_replicas=verify_replicas, io_threads=io_threads,
-                                            keep_generations=keep_generations, incremental=incremental),
+                                            keep_generations=keep_generations, incremental=incremental,
+                                            overlap=overlap),
                        load=bcp.LoadOptions(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads,
                                             generation=load_generation))
 
@@ -47,6 +50,7 @@ class Options:
 #: the plugin's options for that one save.
 STORAGE_OPTION_TYPES: dict[str, type] = {
     "async_save": bool, "allow_pickle": bool, "verify_replicas": bool, "io_threads": int, "incremental": bool,
+    "overlap": bool,
 }
 
 

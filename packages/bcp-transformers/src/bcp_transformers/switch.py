@@ -32,12 +32,13 @@ def requested_engine() -> str | None:
     return integration.requested_engine(ENGINE_VARIABLE, ENGINES)
 
 
-def enable(trainer: Trainer, *, async_save: bool = False, save_model_files: bool = False) -> Trainer:
+def enable(trainer: Trainer, *, async_save: bool = False, save_model_files: bool = False,
+           overlap: bool = False) -> Trainer:
     """Route this trainer's checkpoint saves and resumes through bcp; returns it. The keywords are
     :class:`CheckpointOptions`'."""
     if not isinstance(trainer, Trainer):
         raise TypeError(f"enable() takes a transformers.Trainer, got {type(trainer).__name__}")
-    set_options(trainer, CheckpointOptions(async_save=async_save, save_model_files=save_model_files))
+    set_options(trainer, CheckpointOptions(async_save=async_save, save_model_files=save_model_files, overlap=overlap))
     install()
     setattr(trainer, _OPTED_IN, True)
     return trainer
