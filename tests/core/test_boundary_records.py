@@ -17,8 +17,8 @@ from bcp.layout.local_plan import LocalPlan
 from bcp.layout.piece import Piece
 from bcp.layout.read_op import ReadRequest, ReadRole
 from bcp.layout.write_plan import RankAssignment, SplitPart
-from bcp.engine.writer_jobs import (Abandon, Done, Failed, Failure, FileJob, Padding, SharedBuffer, StagedPiece,
-                                    Stop, ValueBytes, WriteJob, read_reply, read_request)
+from bcp.engine.writer_jobs import (Abandon, Done, Failed, Failure, FileJob, ItemChunks, Padding, SharedBuffer,
+                                    StagedPiece, Stop, ValueBytes, WriteJob, read_reply, read_request)
 
 
 def _through_msgpack(record):
@@ -45,6 +45,7 @@ def test_the_stop_requests_come_back_as_themselves(request_):
 
 
 @pytest.mark.parametrize("reply", [Done([[[1, 2], []], [[3]]]),
+                                   Done([[[1, 2], []], [[3]]], [[ItemChunks([2, 0], [5, 9], [7, 8]), None], [None]]),
                                    Failed(Failure.ABANDONED, "the save was abandoned"),
                                    Failed(Failure.STORAGE, "[Errno 28] No space left on device"),
                                    Failed(Failure.ERROR, "Traceback (most recent call last): ...")])
@@ -55,7 +56,7 @@ def test_a_reply_of_each_kind_comes_back_equal(reply):
 def test_a_field_an_older_sender_did_not_know_takes_its_default_and_an_unknown_one_is_ignored():
     wire = _through_msgpack(StagedPiece(1, 2, 3, [4]))
     del wire["crcs"]
-    wire["codec"] = "a field of a newer sender"
+    wire["placement"] = "a field of a newer sender"
     assert read_request({**_through_msgpack(Stop()), "later": 1}) == Stop()
     assert StagedPiece.from_wire(wire) == StagedPiece(1, 2, 3, None)
     with pytest.raises(ValueError, match="nbytes"):

@@ -12,6 +12,7 @@ from bcp.adapters.token_stream import TokenStreamLoader
 from bcp.api import LoadOptions, LoadResult, PhaseStats, SaveHandle, SaveOptions, load, save, wait_pending_saves
 from bcp.api.runtime import shutdown
 from bcp.api.state_walk import PairedOptimizer
+from bcp.chunk_codecs import Compression
 from bcp.coord import Coordinator, SingleProcessCoordinator, TorchCoordinator
 from bcp.errors import (
     AdapterError,
@@ -35,7 +36,7 @@ from bcp.version import __version__
 
 __all__ = [
     "save", "load", "wait_pending_saves", "shutdown", "remove_entries", "MemoryTier",
-    "SaveOptions", "LoadOptions", "SaveHandle", "LoadResult", "PhaseStats", "PairedOptimizer",
+    "SaveOptions", "LoadOptions", "Compression", "SaveHandle", "LoadResult", "PhaseStats", "PairedOptimizer",
     "FrameworkAdapter", "register_adapter",
     "Coordinator", "SingleProcessCoordinator", "TorchCoordinator",
     "Storage", "LocalStorage",

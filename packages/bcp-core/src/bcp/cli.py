@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify = _command(commands, "verify", _verify, "check completeness and every checksum; exit 1 on any problem")
     _source(verify, "PATH")
     verify.add_argument("--json", action="store_true", help="print the report as JSON")
+    verify.add_argument("--decode", action="store_true",
+                        help="also decode compressed chunks and check their raw bytes (default: their stored bytes)")
     _quiet(verify)
 
     export = _command(commands, "export", _export, "write a component as a Hugging Face safetensors folder")
@@ -177,7 +179,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     report = verify_checkpoint(args.path, role=args.role, generation=args.generation,
-                               progress=progress_for(quiet=args.quiet))
+                               progress=progress_for(quiet=args.quiet), decode=args.decode)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

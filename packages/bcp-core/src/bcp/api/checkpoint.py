@@ -88,6 +88,12 @@ class Checkpoint:
         its checksums when verifying)."""
         self._reader.read_range(where, start, dest, key)
 
+    def read_stored(self, where: ByteRange, start: int, dest: memoryview, key: str) -> None:
+        """Read ``dest.nbytes`` of the range ``where``'s bytes as stored, from ``start``: whole
+        compressed chunks, checked against the checksums of their stored bytes (when verifying)
+        without decoding them; of a range stored raw, as :meth:`read_range`."""
+        self._reader.read_stored(where, start, dest, key)
+
     def generations(self) -> list[tuple[int, bool]]:
         """Every generation under the path with its commit state, oldest first."""
         return [(g, self.location.is_committed(g)) for g in self.location.generations()]
@@ -211,7 +217,7 @@ class Checkpoint:
             return
         by_table: dict[int, tuple[Any, list[str], list[np.ndarray], list[np.ndarray]]] = {}
         for name in names:
-            table, first, count = self.tensors[name].table_rows()
+            table, first, count = self.tensors[name].table_rows(self.manifest.checksum_chunk)
             _, group, rows, owners = by_table.setdefault(id(table), (table, [], [], []))
             rows.append(np.arange(first, first + count, dtype=np.int64))
             owners.append(np.full(count, len(group), dtype=np.int64))

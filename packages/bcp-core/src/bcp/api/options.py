@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
+from bcp.chunk_codecs import Compression
 from bcp.coord import Coordinator
 from bcp.engine.location import DEFAULT_KEEP_GENERATIONS
 from bcp.errors import CheckpointError
@@ -102,10 +103,19 @@ class SaveOptions(_CommonOptions):
     counter are as when this process saved it is not read (one 1 MiB chunk of it is checked). False:
     every piece's bytes are checksummed, for code that writes frozen parameters behind torch's back
     (through ``.data`` or NumPy)."""
+    compression: Compression | str | bool | None = None
+    """Compress the tensors' bytes losslessly, each checksum chunk on its own: ``"zstd"`` (or
+    ``True``, or ``bcp.Compression(level=...)``; floating-point data coded in byte planes); a chunk
+    that does not shrink is stored raw. Runs on the writer threads after staging, so an asynchronous
+    save blocks no longer. Off by default (format version 4 where on; docs/format.md)."""
 
     def __post_init__(self) -> None:
         if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0):
             raise CheckpointError(f"step must be a non-negative int (the training step), got {self.step!r}")
+        try:  # kept as the record it names, so every reader of the options sees one type
+            object.__setattr__(self, "compression", Compression.of(self.compression))
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

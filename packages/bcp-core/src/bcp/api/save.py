@@ -139,7 +139,8 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
     tensors = [piece.tensor() for piece in writes.pieces]
     copies = ChunkedCopies(rt.chunks, tensors)  # here: device copies follow the work queued so far
     if not options.async_save:
-        writer = GenerationWriter(location, agreed.generation, threads=options.io_threads, copies=copies)
+        writer = GenerationWriter(location, agreed.generation, threads=options.io_threads, copies=copies,
+                                  compression=options.compression)
         commit(coord, writer, write_share(coord.rank, writer, writes.pieces, writes.values, stats, monitor=monitor,
                                           on_report=writes.on_report), writes.manifest_of, stats, monitor)
         return SaveHandle(location.display, agreed.generation, stats, monitor=monitor)
@@ -147,7 +148,8 @@ def _save(path: Any, locate: Callable[[], Location], state: Mapping[str, Any], o
     with stats.phase("stage"):  # everything the training thread does before it gets control back
         staged = _Staged.of(coord, writes, tensors, copies, rt, stepped, label)
     writer = GenerationWriter(location, agreed.generation, threads=options.io_threads, background=True,
-                              abandon=rt.background.abandon, in_process=_in_process(rt, location, staged.buffer, options))
+                              abandon=rt.background.abandon, in_process=_in_process(rt, location, staged.buffer, options),
+                              compression=options.compression)
     monitor.returned()  # the caller gets control back: the blocking time ends here
     background = _BackgroundSave(staged, writer, writes.manifest_of, writes.on_report, rt, stats, monitor, commit,
                                  stats.now())
@@ -175,7 +177,7 @@ def _rank_writes(coord: Coordinator, location: Location, place: Any, rt: Runtime
     share, generation = agreed.share, agreed.generation
     pieces = writes_of([p.piece for p in share.pieces], agreed.plan.writes, [p.crcs for p in share.pieces])
     values = values_to_write(coord.rank, share.values, agreed.value_digests)
-    manifest_of = _manifest_builder(generation, collected.framework, agreed.plan, options.step)
+    manifest_of = _manifest_builder(generation, collected.framework, agreed.plan, options)
     if not options.incremental:
         return _RankWrites(pieces, values, manifest_of, None, 0)
     boxes = _base_boxes(coord, location, rt, place, agreed.base, {p.piece.name for p in share.pieces})
@@ -410,10 +412,11 @@ def _base_manifest(coord: Coordinator, location: Location, generation: int) -> M
 
 
 def _manifest_builder(generation: int, framework: str, plan: CachedPlan,
-                      step: int | None) -> Callable[[list[RankWrites]], Manifest]:
+                      options: SaveOptions) -> Callable[[list[RankWrites]], Manifest]:
     def manifest_of(reports: list[RankWrites]) -> Manifest:
         manifest = assemble_manifest(generation=generation, framework=framework, checksum_chunk=DEFAULT_CHECKSUM_CHUNK,
-                                     writer=f"bcp {__version__}", columns=plan.columns, reports=reports)
-        manifest.step = step
+                                     writer=f"bcp {__version__}", columns=plan.columns, reports=reports,
+                                     compression=options.compression)
+        manifest.step = options.step
         return manifest
     return manifest_of

@@ -50,6 +50,13 @@ class Scratch:
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._decoded = torch.empty(0, dtype=torch.uint8)
+
+    def decoded(self, nbytes: int) -> torch.Tensor:
+        """Memory for ``nbytes`` of decoded chunks (apart from the slots, which hold their stored bytes)."""
+        if nbytes > self._decoded.numel():
+            self._decoded = torch.empty(nbytes, dtype=torch.uint8)
+        return self._decoded[:nbytes]
 
     def slots(self, batch: list[Segment]) -> list[torch.Tensor | None]:
         sizes = [-(-s.nbytes // _SLOT_ALIGN) * _SLOT_ALIGN if s.dests is None else 0 for s in batch]

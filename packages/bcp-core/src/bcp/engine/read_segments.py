@@ -10,6 +10,11 @@ through scratch in whole chunks of ``SCRATCH_PART_BYTES`` and their wanted eleme
 object store's fetched bytes), else per-thread memory the bytes are read into.
 Segments that lie back to back in one file (small tensors are stored so) are batched into one
 vectored read.
+
+A shard stored in compressed chunks (format version 4) is read in *coded* segments: the stored bytes
+of the consecutive chunks that hold wanted bytes, and nothing else, decoded straight into the
+destinations where the chunks are wholly wanted there, else into scratch out of which the wanted
+bytes are copied.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from bcp.engine.bytes_of import byte_view
 from bcp.errors import CorruptCheckpointError
 from bcp.layout.box import Box, contiguous_span, flat_range_to_boxes, row_major_strides
+from bcp.layout.dtypes import plane_width
 from bcp.layout.manifest import ByteRange
 from bcp.layout.piece import Piece
 from bcp.layout.read_op import ReadOp
@@ -49,9 +55,25 @@ class Progress:
 
 
 @dataclass(slots=True)
+class Coded:
+    """Compressed chunks ``[first, end)`` of a stored range, whose raw bytes are ``[raw_start,
+    raw_start + raw_nbytes)`` of it, coded in byte planes of ``width`` bytes where their codec says;
+    decoded into ``dests`` (one after another), or, where None, into scratch for ``place``."""
+
+    first: int
+    end: int
+    raw_start: int
+    raw_nbytes: int
+    width: int
+    dests: list[memoryview] | None
+
+
+@dataclass(slots=True)
 class Segment:
     """Bytes ``[start, start + nbytes)`` of a stored range, read into ``dests`` one after another,
-    or, when ``dests`` is None, into scratch memory out of which ``place`` copies the wanted bytes."""
+    or, when ``dests`` is None, into scratch memory out of which ``place`` copies the wanted bytes.
+    For ``coded`` chunks, ``start`` and ``nbytes`` are the stored bytes', and ``place`` copies out
+    of their decoded bytes."""
 
     where: ByteRange
     start: int
@@ -59,6 +81,7 @@ class Segment:
     dests: list[memoryview] | None
     place: Callable[[torch.Tensor], None] | None
     progress: Progress
+    coded: Coded | None = None
 
     @property
     def position(self) -> tuple[int, int]:
@@ -110,7 +133,8 @@ class SegmentPlanner:
         runs: list[Run] = []
         for op in ops:
             shard, piece = op.shard, op.piece
-            if shard.bytes.nbytes <= READ_PART_BYTES and _is_whole_copy(op):  # the common case, kept cheap
+            if shard.bytes.stored is None and shard.bytes.nbytes <= READ_PART_BYTES and _is_whole_copy(op):
+                # the common case, kept cheap
                 view = byte_view(piece.tensor)
                 segments.append(Segment(shard.bytes, 0, view.nbytes, [view], None, Progress([op], 1)))
                 continue
@@ -129,21 +153,39 @@ class SegmentPlanner:
             segments += self._run_segments(run)
         return segments
 
+    def _coded(self, where: ByteRange, low: int, high: int, width: int, dests: list[memoryview] | None,
+               place: Callable[[torch.Tensor], None] | None, progress: Progress) -> Segment:
+        """The segment of the compressed chunks holding raw bytes ``[low, high)`` (chunk-aligned, the
+        end possibly the range's): their stored bytes, decoded into ``dests`` or for ``place``."""
+        first, end = low // self.chunk, -(-high // self.chunk)
+        starts = where.stored.starts()
+        return Segment(where, starts[first], starts[end] - starts[first], None, place, progress,
+                       Coded(first, end, low, high - low, width, dests))
+
     def _run_segments(self, run: Run) -> list[Segment]:
         """A run in parts straight into its destinations. When verifying, a direct part starts and
         ends on checksum chunks (or the end of the stored range): a partly wanted chunk at either
-        end of the run is read whole into scratch and its wanted bytes copied out."""
-        where, align = run.where, self._alignment(run.ops[0].piece.tensor.element_size())
+        end of the run is read whole into scratch and its wanted bytes copied out. Compressed chunks
+        are read whole in any case: wholly wanted ones decoded straight into the destinations, the
+        others into scratch."""
+        where, dtype = run.where, run.ops[0].piece.tensor.dtype
+        coded = where.stored is not None
+        align = self.chunk if coded else self._alignment(dtype.itemsize)
         direct_low = -(-run.low // align) * align
         direct_high = run.high if run.high == where.nbytes else run.high // align * align
         progress = Progress(run.ops, 0)
         segments: list[Segment] = []
+
+        def part(at: int, end: int, dests: list[memoryview] | None, place: Callable[[torch.Tensor], None] | None) -> Segment:
+            return (self._coded(where, at, end, plane_width(dtype), dests, place, progress) if coded else
+                    Segment(where, at, end - at, dests, place, progress))
+
         through_scratch = [(run.low, run.high)]
         if direct_low < direct_high:
             step = _multiple(READ_PART_BYTES, align)
             for at in range(direct_low, direct_high, step):
                 part_end = min(at + step, direct_high)
-                segments.append(Segment(where, at, part_end - at, run.dests_for(at, part_end), None, progress))
+                segments.append(part(at, part_end, run.dests_for(at, part_end), None))
             through_scratch = [(run.low, direct_low), (direct_high, run.high)]
         step = _multiple(SCRATCH_PART_BYTES, align)
         for low, high in through_scratch:
@@ -154,16 +196,19 @@ class SegmentPlanner:
                 part_end = min(at + step, end)
                 wanted_low, wanted_high = max(at, low), min(part_end, high)
                 place = partial(_copy_bytes, run.dests_for(wanted_low, wanted_high), wanted_low - at)
-                segments.append(Segment(where, at, part_end - at, None, place, progress))
+                segments.append(part(at, part_end, None, place))
         progress.left = len(segments)
         return segments
 
     def _strided_segments(self, op: ReadOp, inner: Box, first: int, end: int) -> list[Segment]:
         """A region whose saved bytes are not one run of its destination: the stored elements
-        ``[first, end)`` it spans, in whole chunks through scratch, each part copying the region's
-        elements it holds into place (a part holding none is not read)."""
+        ``[first, end)`` it spans, in whole chunks through scratch (of a compressed range, decoded
+        there), each part copying the region's elements it holds into place (a part holding none is
+        not read)."""
         shard, itemsize = op.shard, op.piece.tensor.element_size()
-        align = self._alignment(itemsize)
+        coded = shard.bytes.stored is not None
+        # a compressed chunk is read whole, and decoded parts hold whole elements
+        align = math.lcm(self.chunk, itemsize) if coded else self._alignment(itemsize)
         start_byte, end_byte = _widened(first * itemsize, end * itemsize, align, shard.bytes.nbytes)
         progress = Progress([op], 0)
         segments, step = [], _multiple(SCRATCH_PART_BYTES, align)
@@ -175,7 +220,9 @@ class SegmentPlanner:
                 low, high = _widened(min(lo for lo, _ in spans) * itemsize, max(hi for _, hi in spans) * itemsize,
                                      align, part_end)
                 place = partial(_copy_out, op.piece, shard.box, boxes, low // itemsize)
-                segments.append(Segment(shard.bytes, low, high - low, None, place, progress))
+                segments.append(self._coded(shard.bytes, low, high, plane_width(op.piece.tensor.dtype), None, place,
+                                            progress) if coded else
+                                Segment(shard.bytes, low, high - low, None, place, progress))
         progress.left = len(segments)
         return segments
 

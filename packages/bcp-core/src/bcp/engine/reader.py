@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -20,8 +21,9 @@ from bcp.engine.bytes_of import byte_view, tensor_over
 from bcp.engine.location import Location
 from bcp.engine.read_lanes import Lanes, Scratch
 from bcp.engine.read_segments import Progress, Segment, SegmentPlanner, batches_of
-from bcp.engine.verification import ChunkVerifier
+from bcp.engine.verification import ChunkDecoder, ChunkVerifier
 from bcp.errors import CorruptCheckpointError, StorageError
+from bcp.layout.dtypes import dtype_from_name, plane_width
 from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry
 from bcp.layout.read_op import ReadOp
 from bcp.layout.references import generation_dir, referred_generation
@@ -48,6 +50,7 @@ class ShardReader:
         self._earlier_checked: set[int] = set()
         self._planner = SegmentPlanner(manifest.files, manifest.checksum_chunk, verify, self.display)
         self._verifier = ChunkVerifier(manifest.files, manifest.checksum_chunk, self.display)
+        self._decoder = ChunkDecoder(manifest.files, manifest.checksum_chunk, verify, self.display)
 
     def run(self, ops: list[ReadOp], threads: int, on_done: Callable[[ReadOp], None] | None = None) -> None:
         """Execute ``ops`` on up to ``threads`` threads; ``on_done(op)`` (on a worker thread) once
@@ -108,13 +111,27 @@ class ShardReader:
             views = [s.dests if s.dests is not None else [byte_view(slot)] for s, slot in zip(batch, slots)]
             self._fill(batch, views)
         for segment, segment_views, slot in zip(batch, views, slots):
-            if self.verify:
+            if segment.coded is not None:
+                slot = self._decoded(segment, segment_views[0], scratch)
+            elif self.verify:
                 self._verifier.check(segment.where, segment.start, segment_views, segment.key)
             if segment.place is not None:
                 segment.place(slot)
             if on_done is not None and self._last_of_group(segment.progress):
                 for op in segment.progress.ops:
                     on_done(op)
+
+    def _decoded(self, segment: Segment, stored: memoryview, scratch: Scratch) -> torch.Tensor | None:
+        """Decode a coded segment's chunks from their ``stored`` bytes into its destinations, or into
+        scratch (returned, for its ``place``)."""
+        coded = segment.coded
+        if coded.dests is not None:
+            dests, decoded = coded.dests, None
+        else:
+            decoded = scratch.decoded(coded.raw_nbytes)
+            dests = [byte_view(decoded)]
+        self._decoder.decode(segment.where, coded.first, coded.end, coded.width, stored, dests, segment.key)
+        return decoded
 
     def _last_of_group(self, progress: Progress) -> bool:
         """Count one more segment in place; whether it was the last of its group."""
@@ -155,13 +172,46 @@ class ShardReader:
                 self._read_into(segment.where, segment.start, segment_views, segment.key)
 
     def read_range(self, where: ByteRange, start: int, dest: memoryview, key: str) -> None:
-        """Read ``dest.nbytes`` bytes from ``start`` of a stored range (chunk-aligned when verifying)."""
+        """Read ``dest.nbytes`` bytes from ``start`` of a stored range (chunk-aligned when verifying);
+        of a compressed one, its raw bytes (the chunks holding them read and decoded)."""
         if start + dest.nbytes > where.nbytes:
             raise CorruptCheckpointError(f"read beyond the stored range in {self.manifest.files[where.file]}",
                                          path=self.display, key=key)
+        if where.stored is not None:
+            self._read_decoded(where, start, dest, key)
+            return
         self._read_into(where, start, [dest], key)
         if self.verify:
             self._verifier.check(where, start, [dest], key)
+
+    def _read_decoded(self, where: ByteRange, start: int, dest: memoryview, key: str) -> None:
+        chunk = self.manifest.checksum_chunk
+        first, end = start // chunk, max(start // chunk + 1, -(-(start + dest.nbytes) // chunk))
+        starts = where.stored.starts()
+        stored = memoryview(bytearray(starts[end] - starts[first]))
+        self._read_into(where, starts[first], [stored], key)
+        raw = memoryview(bytearray(min(end * chunk, where.nbytes) - first * chunk))
+        dtype = self.manifest.tensors[key].dtype if key in self.manifest.tensors else None
+        width = plane_width(dtype_from_name(dtype)) if dtype is not None else 1
+        self._decoder.decode(where, first, end, width, stored, [raw], key)
+        dest[:] = raw[start - first * chunk: start - first * chunk + dest.nbytes]
+
+    def read_stored(self, where: ByteRange, start: int, dest: memoryview, key: str) -> None:
+        """Read ``dest.nbytes`` of a range's bytes as stored from ``start``, both ends on stored chunk
+        boundaries (or the range's end), each chunk checked against the crc32c of its stored bytes
+        when verifying, without decoding it (of a range stored raw: ``read_range``)."""
+        if where.stored is None:
+            self.read_range(where, start, dest, key)
+            return
+        starts = where.stored.starts()
+        first, end = bisect_left(starts, start), bisect_left(starts, start + dest.nbytes)
+        if end >= len(starts) or starts[first] != start or starts[end] != start + dest.nbytes:
+            raise CorruptCheckpointError(f"stored bytes [{start}, {start + dest.nbytes}) of a range in "
+                                         f"{self.manifest.files[where.file]} are not whole compressed chunks",
+                                         path=self.display, key=key)
+        self._read_into(where, start, [dest], key)
+        if self.verify:
+            self._decoder.check_stored(where, first, end, dest, key)
 
     def _read_into(self, where: ByteRange, start: int, views: list[memoryview], key: str) -> None:
         """Consecutive bytes of a stored file from ``start`` of ``where`` into ``views``."""

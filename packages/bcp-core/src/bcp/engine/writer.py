@@ -14,6 +14,10 @@ one, so host memory holds a few chunks per thread, not the pieces.
 Pieces may be produced lazily (the tools that stream one checkpoint into another): each writer
 thread asks for one piece's tensor when it reaches it and releases it right after, so memory holds
 about one piece per thread however large the checkpoint is.
+
+With ``compression``, the writer threads (or the writer process) code each piece's checksum chunks
+as they write them (``chunk_coding``); a piece's place in its file then follows the stored lengths
+of the pieces before it, known only once they are written.
 """
 
 from __future__ import annotations
@@ -27,17 +31,21 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from bcp.chunk_codecs import RAW, Compression, codec_for
 from bcp.engine.checksum import chunk_crcs, joined_chunk_crcs
+from bcp.engine.chunk_coding import ItemCoder
 from bcp.engine.chunked_copies import ChunkedCopies, Source
 from bcp.engine.location import Location, data_file_name
 from bcp.engine.priority import lower_this_thread
 from bcp.engine.shared_memory import SharedHostBuffer
-from bcp.engine.writer_jobs import FileItem, FileJob, Padding, StagedPiece, ValueBytes
+from bcp.engine.writer_jobs import FileItem, FileJob, ItemChunks, Padding, StagedPiece, ValueBytes
 from bcp.engine import writer_process
 from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
 from bcp.storage.base import streamed_from
 from bcp.storage.local import DIRECT_ALIGN, DIRECT_MIN_BYTES
+from bcp.layout.dtypes import plane_width
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
+from bcp.layout.shard_table import StoredChunks
 from bcp.layout.write_plan import PieceWrite, ValueWrite
 from bcp.layout.write_report import PieceRecord, RankWrites, ValueRecord, WrittenPieces
 
@@ -52,6 +60,18 @@ class _Item:
     value: ValueWrite | None = None
     #: Where the piece lies in the shared buffer, when the writer process writes it.
     staged: int | None = None
+
+
+@dataclass(slots=True)
+class _Written:
+    """An item as written: its raw chunk checksums, and its stored chunks where it was compressed."""
+
+    crcs: list[int]
+    stored: StoredChunks | None = None
+
+    @property
+    def stored_nbytes(self) -> int | None:
+        return None if self.stored is None else sum(self.stored.nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +91,7 @@ class GenerationWriter:
     def __init__(self, location: Location, generation: int, *, threads: int,
                  chunk: int = DEFAULT_CHECKSUM_CHUNK, background: bool = False,
                  abandon: threading.Event | None = None, in_process: InProcess | None = None,
-                 copies: ChunkedCopies | None = None) -> None:
+                 copies: ChunkedCopies | None = None, compression: Compression | None = None) -> None:
         self.location = location
         self.generation = generation
         self.threads = threads
@@ -85,6 +105,8 @@ class GenerationWriter:
         self.in_process = in_process
         #: How pieces in accelerator memory reach the host (made where the pieces were produced).
         self.copies = copies if copies is not None else ChunkedCopies.for_host()
+        #: Where set, every piece's chunks are compressed (a chunk that does not shrink stays raw).
+        self.compression = compression
 
     def write_rank(self, rank: int, pieces: Sequence[PieceWrite], values: Sequence[ValueWrite],
                    on_written: Callable[[int], None] | None = None) -> RankWrites:
@@ -99,31 +121,33 @@ class GenerationWriter:
             for item in items:
                 if item.piece is not None:
                     item.staged = _staged_offset(item.piece, self.in_process.buffer)
-        placed = [_placed(file_items) for file_items in bins]
+        # compressed pieces are not where they were staged: no place kept for direct I/O
+        placed = [_placed(file_items, aligned=self.compression is None) for file_items in bins]
         if self.in_process is not None:
-            crcs = self._write_in_process(files, placed)
+            written = self._write_in_process(files, placed)
             if on_written is not None:
                 on_written(sum(item.nbytes for item in items if item.piece is not None))
         else:
-            crcs = self._write_in_threads(files, bins, on_written)
+            written = self._write_in_threads(files, bins, on_written)
         if self.abandon is not None and self.abandon.is_set():  # after the last piece, still before the commit
             raise SaveAbandonedError(f"the save of generation {self.generation} was abandoned after its files "
                                      "were written, before its commit", path=self.location.display)
         piece_rows: list[PieceRecord] = []
         value_rows: list[ValueRecord] = []
-        for file_index, (file_items, file_crcs) in enumerate(zip(placed, crcs)):
-            for (item, offset), item_crcs in zip(file_items, file_crcs):
+        for file_index, (file_items, file_written) in enumerate(zip(placed, written)):
+            for (item, _), item_written, offset in zip(file_items, file_written, _offsets(file_items, file_written)):
                 if item.piece is not None:
-                    piece_rows.append(PieceRecord.of(item.piece, file_index, offset, item.nbytes, item_crcs))
+                    piece_rows.append(PieceRecord.of(item.piece, file_index, offset, item.nbytes, item_written.crcs,
+                                                     item_written.stored))
                 else:
                     value = item.value
                     value_rows.append(ValueRecord(value.name, file_index, offset, item.nbytes, value.tree_nbytes,
-                                                  item_crcs, list(value.ranks) if value.ranks else None))
+                                                  item_written.crcs, list(value.ranks) if value.ranks else None))
         return RankWrites(files, WrittenPieces.of(piece_rows), value_rows, any(v.used_pickle for v in values),
                           any(v.refs for v in values))
 
     def _write_in_threads(self, files: list[str], bins: list[list[_Item]],
-                          on_written: Callable[[int], None] | None) -> list[list[list[int]]]:
+                          on_written: Callable[[int], None] | None) -> list[list[_Written]]:
         if on_written is not None:  # called from the writer threads: one at a time
             on_written = _serialized(on_written)
         with ThreadPoolExecutor(max_workers=len(bins) or 1, thread_name_prefix="bcp-write",
@@ -132,9 +156,9 @@ class GenerationWriter:
                        for i, file_items in enumerate(bins)]
             return [future.result() for future in futures]
 
-    def _write_in_process(self, files: list[str], placed: list[list[tuple[_Item, int]]]) -> list[list[list[int]]]:
+    def _write_in_process(self, files: list[str], placed: list[list[tuple[_Item, int]]]) -> list[list[_Written]]:
         """Each file as the writer process writes it, in order: zero bytes before a piece placed for
-        direct I/O, a piece's place in the shared buffer, a value's bytes."""
+        direct I/O, a piece's place in the shared buffer (and how to compress it), a value's bytes."""
         to = self.in_process
         jobs = []
         for name, file_items in zip(files, placed):
@@ -143,12 +167,25 @@ class GenerationWriter:
             for item, offset in file_items:
                 if offset > end:
                     listed.append(Padding(offset - end))
-                listed.append(StagedPiece(to.buffer.id, item.staged, item.nbytes, self._known_crcs(item))
+                listed.append(StagedPiece(to.buffer.id, item.staged, item.nbytes, self._known_crcs(item),
+                                          *self._codec_of(item.piece))
                               if item.piece is not None else ValueBytes(item.value.joined(), self._known_crcs(item)))
                 end = offset + item.nbytes
             jobs.append(FileJob(self.location.name(self.generation, name), listed))
-        return to.process.write_files(to.storage, self.chunk, jobs, [to.buffer], to.live, self.abandon,
-                                      f"writing generation {self.generation}", self.location.display)
+        done = to.process.write_files(to.storage, self.chunk, jobs, [to.buffer], to.live, self.abandon,
+                                      f"writing generation {self.generation}", self.location.display,
+                                      self.compression.level if self.compression is not None else 1)
+        stored = done.stored or [[None] * len(file_crcs) for file_crcs in done.crcs]
+        return [[_Written(crcs, _stored_chunks(chunks)) for crcs, chunks in zip(file_crcs, file_stored)]
+                for file_crcs, file_stored in zip(done.crcs, stored)]
+
+    def _codec_of(self, piece: PieceWrite) -> tuple[int, int]:
+        """How a piece's chunks are compressed: codec id and plane width (``RAW``: not at all)."""
+        if self.compression is None:
+            return RAW, 1
+        dtype = piece.dtype if piece.dtype is not None or callable(piece.data) else piece.data.dtype
+        width = plane_width(dtype) if dtype is not None else 1
+        return codec_for(width), width
 
     def _known_crcs(self, item: _Item) -> list[int] | None:
         """The item's chunk checksums where the save computed them already (at this chunk size)."""
@@ -166,9 +203,10 @@ class GenerationWriter:
         generation goes whole where every rank's writes have ended (``Location.discard``)."""
         self.location.discard(self.generation, every_writer_stopped)
 
-    def _write_file(self, name: str, items: list[_Item], on_written: Callable[[int], None] | None) -> list[list[int]]:
-        """Write one data file; each item's chunk checksums, in order."""
+    def _write_file(self, name: str, items: list[_Item], on_written: Callable[[int], None] | None) -> list[_Written]:
+        """Write one data file; each item's chunk checksums and stored chunks, in order."""
         crcs: list[list[int]] = []
+        coders: list[ItemCoder | None] = []
         chunk = self.chunk
 
         reused_from = streamed_from(self.location.storage)
@@ -190,9 +228,13 @@ class GenerationWriter:
                             known = joined_chunk_crcs(item.value.parts, chunk)
                         computing = known is None
                         crcs.append([] if computing else known)
+                        coders.append(self._coder(item, reused_from))
                     if computing:  # a piece's views are whole checksum chunks but the last
                         crcs[index].extend(chunk_crcs(data, chunk))
-                    yield data
+                    if coders[index] is not None:
+                        yield from coders[index].code(data, crcs[index])
+                    else:
+                        yield data
                     if on_written is not None and item.piece is not None:
                         on_written(data.nbytes)
                     del data  # a produced piece is released before the next one is made
@@ -204,7 +246,20 @@ class GenerationWriter:
             raise StorageError(f"writing {name} failed: {exc}", path=self.location.display) from exc
         finally:  # now, not when the error's traceback lets go of it: its chunks go back to the pool
             views.close()
-        return crcs
+        return [_Written(item_crcs, None if coder is None else StoredChunks(tuple(coder.codecs), tuple(coder.nbytes),
+                                                                            tuple(coder.crcs)))
+                for item_crcs, coder in zip(crcs, coders)]
+
+    def _coder(self, item: _Item, reused_from: int | None) -> ItemCoder | None:
+        """What compresses a piece's chunks as they are written (None: written as they are)."""
+        if item.piece is None or self.compression is None:
+            return None
+        codec, width = self._codec_of(item.piece)
+        return ItemCoder(codec, width, self.compression.level, self.chunk, reused_from)
+
+
+def _stored_chunks(chunks: ItemChunks | None) -> StoredChunks | None:
+    return None if chunks is None else StoredChunks(tuple(chunks.codecs), tuple(chunks.nbytes), tuple(chunks.crcs))
 
 
 def _serialized(callback: Callable[[int], None]) -> Callable[[int], None]:
@@ -240,18 +295,30 @@ def _staged_offset(piece: PieceWrite, buffer: SharedHostBuffer) -> int:
     return offset
 
 
-def _placed(items: list[_Item]) -> list[tuple[_Item, int]]:
-    """Each item with its offset in its file: one after the other, except that a staged piece large
-    enough for direct I/O starts at the same place modulo ``DIRECT_ALIGN`` as its copy in shared
-    memory (after fewer than ``DIRECT_ALIGN`` zero bytes), as direct I/O needs of memory and file
-    alike. Small pieces stay back to back, for the batched reads of loads."""
+def _placed(items: list[_Item], aligned: bool) -> list[tuple[_Item, int]]:
+    """Each item with its offset in its file: one after the other, except that (where ``aligned``) a
+    staged piece large enough for direct I/O starts at the same place modulo ``DIRECT_ALIGN`` as its
+    copy in shared memory (after fewer than ``DIRECT_ALIGN`` zero bytes), as direct I/O needs of
+    memory and file alike. Small pieces stay back to back, for the batched reads of loads."""
     placed, offset = [], 0
     for item in items:
-        if item.staged is not None and item.nbytes >= DIRECT_MIN_BYTES:
+        if aligned and item.staged is not None and item.nbytes >= DIRECT_MIN_BYTES:
             offset += (item.staged - offset) % DIRECT_ALIGN
         placed.append((item, offset))
         offset += item.nbytes
     return placed
+
+
+def _offsets(placed: list[tuple[_Item, int]], written: list[_Written]) -> list[int]:
+    """Each item's offset in its file: as placed, or, where pieces were compressed, one after the
+    other at their stored lengths."""
+    if all(w.stored is None for w in written):
+        return [offset for _, offset in placed]
+    offsets, end = [], 0
+    for (item, _), w in zip(placed, written):
+        offsets.append(end)
+        end += item.nbytes if w.stored is None else w.stored_nbytes
+    return offsets
 
 
 def _balance(items: list[_Item], nbins: int) -> list[list[_Item]]:

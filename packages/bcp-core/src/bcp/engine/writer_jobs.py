@@ -25,13 +25,17 @@ class Padding(WireRecord):
 @dataclass(frozen=True, slots=True)
 class StagedPiece(WireRecord):
     """A piece staged in a shared buffer: ``nbytes`` at ``offset`` of buffer ``buffer``, with its
-    chunk checksums where the training process knows them (None: the writer computes them)."""
+    chunk checksums where the training process knows them (None: the writer computes them);
+    ``codec`` (``chunk_codecs``; RAW: written as it is) and the ``width`` of its byte planes say how
+    its chunks are compressed."""
 
     KIND = "piece"
     buffer: int
     offset: int
     nbytes: int
     crcs: list[int] | None = None
+    codec: int = 0
+    width: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,8 @@ class WriteJob(WireRecord):
     files: list[FileJob]
     live: list[int] = field(default_factory=list)
     new: list[SharedBuffer] = field(default_factory=list)
+    #: The zstd level of the pieces whose ``codec`` compresses.
+    level: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +110,28 @@ class Failure(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class ItemChunks(WireRecord):
+    """How a compressed item's chunks were stored: each one's codec, stored length and the crc32c
+    of its stored bytes."""
+
+    codecs: list[int]
+    nbytes: list[int]
+    crcs: list[int]
+
+
+def _per_file_items(wire: list[list[dict | None]]) -> list[list[ItemChunks | None]]:
+    return [[None if item is None else ItemChunks.from_wire(item) for item in items] for items in wire]
+
+
+@dataclass(frozen=True, slots=True)
 class Done(WireRecord):
-    """The job's files are written: each file's items' chunk checksums, in order (padding has none)."""
+    """The job's files are written: each file's items' chunk checksums, in order (padding has none),
+    and, where the job compressed, each item's stored chunks (None for an item written as it is)."""
 
     KIND = "done"
+    NESTED = {"stored": _per_file_items}
     crcs: list[list[list[int]]]
+    stored: list[list[ItemChunks | None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -111,12 +111,14 @@ class WriterProcess:
 
     def write_files(self, storage: bytes, chunk: int, files: Sequence[FileJob],
                     buffers: Sequence[SharedHostBuffer], live: set[int],
-                    abandon: threading.Event | None, what: str, display: str) -> list[list[list[int]]]:
-        """Write ``files`` to ``storage`` (``WriteJob``); each checksummed item's chunk checksums, per
-        file. ``buffers`` hold the pieces; ``live`` are the ids of every shared buffer still held (the
-        writer process unmaps the others). ``what`` names the job in errors."""
+                    abandon: threading.Event | None, what: str, display: str, level: int = 1) -> Done:
+        """Write ``files`` to ``storage`` (``WriteJob``; compressed pieces at zstd ``level``); the
+        reply: each checksummed item's chunk checksums and stored chunks, per file. ``buffers`` hold
+        the pieces; ``live`` are the ids of every shared buffer still held (the writer process unmaps
+        the others). ``what`` names the job in errors."""
         new = [b for b in buffers if b.id not in self._mapped]
-        job = WriteJob(storage, chunk, DIRECT_IO, list(files), sorted(live), [SharedBuffer(b.id, b.nbytes) for b in new])
+        job = WriteJob(storage, chunk, DIRECT_IO, list(files), sorted(live), [SharedBuffer(b.id, b.nbytes) for b in new],
+                       level)
         with self._lock:
             try:
                 self._send(job, [b.fd for b in new])
@@ -125,7 +127,7 @@ class WriterProcess:
             except (PeerGone, OSError) as exc:
                 raise self._died(what, display) from exc
         if isinstance(reply, Done):
-            return reply.crcs
+            return reply
         if reply.reason is Failure.ABANDONED:
             raise SaveAbandonedError(f"{what} was abandoned before its files were complete", path=display)
         if reply.reason is Failure.STORAGE:

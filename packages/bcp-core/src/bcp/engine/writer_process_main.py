@@ -22,11 +22,13 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Iterator, Sequence
 
+from bcp.chunk_codecs import RAW
 from bcp.engine.checksum import chunk_crcs
+from bcp.engine.chunk_coding import ItemCoder
 from bcp.engine.priority import lower_this_thread
 from bcp.engine.process_wire import PeerGone, receive, send
-from bcp.engine.writer_jobs import (Abandon, Done, Failed, Failure, FileItem, Padding, SharedBuffer, StagedPiece,
-                                    Stop, WriteJob, read_request)
+from bcp.engine.writer_jobs import (Abandon, Done, Failed, Failure, FileItem, ItemChunks, Padding, SharedBuffer,
+                                    StagedPiece, Stop, WriteJob, read_request)
 
 #: How often the writer looks for an abandon request (or a vanished trainer) while files are written.
 POLL_S = 0.05
@@ -68,8 +70,8 @@ class _Writer:
                 if self.pool is not None:
                     self.pool.shutdown()
                 self.pool = ThreadPoolExecutor(max_workers=max(1, len(files)), thread_name_prefix="bcp-write")
-            futures = [self.pool.submit(self.write_file, storage, file.name, file.items, job.chunk, job.direct)
-                       for file in files]
+            futures = [self.pool.submit(self.write_file, storage, file.name, file.items, job.chunk, job.direct,
+                                        job.level) for file in files]
             while True:
                 self.watch()  # first at once: an abandon request may have come with the job
                 if not wait(futures, timeout=POLL_S).not_done:
@@ -80,7 +82,8 @@ class _Writer:
             first = next((e for e in errors if not isinstance(e, _Abandoned)), errors[0] if errors else None)
             if first is not None:
                 raise first
-            return Done([future.result() for future in futures])
+            written = [future.result() for future in futures]
+            return Done([crcs for crcs, _ in written], [stored for _, stored in written])
         except _Abandoned:
             return Failed(Failure.ABANDONED, "the save was abandoned before its files were complete")
         except OSError as exc:
@@ -116,12 +119,14 @@ class _Writer:
             storage = self.storages[pickled] = pickle.loads(pickled)
         return storage
 
-    def write_file(self, storage: Any, name: str, items: Sequence[FileItem], chunk: int,
-                   direct: bool) -> list[list[int]]:
+    def write_file(self, storage: Any, name: str, items: Sequence[FileItem], chunk: int, direct: bool,
+                   level: int) -> tuple[list[list[int]], list[ItemChunks | None]]:
         """Write one file: ``items`` in order; each piece's and value's chunk checksums, in order
-        (those the training process sent along, else computed while writing).
+        (those the training process sent along, else computed while writing), and how each one's
+        chunks were stored (None: as they are; a piece with a codec is compressed at ``level``).
         With ``direct``, through the storage's direct I/O where it has one."""
         crcs: list[list[int]] = []
+        stored: list[ItemChunks | None] = []
 
         def stream() -> Iterator[memoryview]:
             for item in items:
@@ -133,12 +138,18 @@ class _Writer:
                 data = memoryview(self.maps[item.buffer])[item.offset: item.offset + item.nbytes] \
                     if isinstance(item, StagedPiece) else memoryview(item.data)
                 crcs.append(item.crcs if item.crcs is not None else chunk_crcs(data, chunk))
-                yield data
+                if isinstance(item, StagedPiece) and item.codec != RAW:
+                    coder = ItemCoder(item.codec, item.width, level, chunk, None)
+                    yield from coder.code(data, crcs[-1])
+                    stored.append(ItemChunks(coder.codecs, coder.nbytes, coder.crcs))
+                else:
+                    yield data
+                    stored.append(None)
                 del data  # a view would keep the map from closing
 
         write = getattr(storage, "write_file_direct", None) if direct else None
         (write or storage.write_file)(name, stream())
-        return crcs
+        return crcs, stored
 
 
 def serve(fd: int, niceness: int) -> None:

@@ -25,3 +25,11 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def plane_width(dtype: torch.dtype) -> int:
+    """Bytes per real element of a floating-point or complex dtype (the byte planes a compressed
+    chunk of it is coded in, ``chunk_codecs.ZSTD_PLANES``), else 1."""
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return 1
+    return itemsize(dtype) // 2 if dtype.is_complex else itemsize(dtype)

@@ -16,20 +16,24 @@ from typing import Any
 import numpy as np
 from crc32c import crc32c
 
+from bcp.chunk_codecs import KNOWN, RAW, Compression
 from bcp.errors import CorruptCheckpointError, FormatVersionError
 from bcp.layout.dtypes import dtype_from_name, itemsize
 from bcp.layout.references import copied_name, referred_generations, split_reference
-from bcp.layout.shard_table import ByteRange, ShardEntry, ShardTable
+from bcp.layout.shard_table import ByteRange, ChunkColumns, ShardEntry, ShardTable, raw_chunk_lengths
 
 FORMAT_NAME = "bcp"
 SHARD_TABLE = "shard_table.bin"
 #: The newest format version. Version 2 adds references from value records to tensors saved beside
-#: them (``layout.values``), version 3 data files of earlier generations (``layout.references``); a
-#: checkpoint is written in the oldest version that holds what it uses (:func:`format_version`).
-FORMAT_VERSION = 3
-SUPPORTED_VERSIONS = (1, 2, 3)
+#: them (``layout.values``), version 3 data files of earlier generations (``layout.references``),
+#: version 4 compressed chunks (``chunk_codecs``); a checkpoint is written in the oldest version
+#: that holds what it uses (:func:`format_version`).
+FORMAT_VERSION = 4
+SUPPORTED_VERSIONS = (1, 2, 3, 4)
 #: The first version whose manifests may list data files of earlier generations.
 EARLIER_FILES_VERSION = 3
+#: The first version whose shard tables hold the columns of compressed chunks.
+COMPRESSED_VERSION = 4
 #: The commit marker's own format has one version.
 MARKER_VERSION = 1
 CHECKSUM_ALGORITHM = "crc32c"
@@ -70,12 +74,13 @@ class TensorEntry:
     def component(self) -> str:
         return component_of(self.name)
 
-    def table_rows(self) -> tuple[ShardTable, int, int]:
+    def table_rows(self, chunk: int) -> tuple[ShardTable, int, int]:
         """This tensor's shards as rows ``[first, first + count)`` of a table, for array operations:
-        the checkpoint's table while they are untouched, else a table of the current list."""
+        the checkpoint's table while they are untouched, else a table of the current list (checksums
+        over ``chunk``-byte chunks)."""
         if self._shards is None:
             return self._table, self._first, self._count
-        return ShardTable.from_entries([self._shards], len(self.shape)), 0, len(self._shards)
+        return ShardTable.from_entries([self._shards], len(self.shape), chunk), 0, len(self._shards)
 
     def _table_range(self) -> tuple[ShardTable, int, int] | None:
         return (self._table, self._first, self._count) if self._shards is None else None
@@ -96,10 +101,11 @@ class ObjectEntry:
         return component_of(self.name)
 
 
-def format_version(refs: bool, earlier_files: bool = False) -> int:
-    """The oldest version that holds what a checkpoint uses: 3 where it lists data files of earlier
-    generations, 2 where a value record refers to tensors, else 1."""
-    return EARLIER_FILES_VERSION if earlier_files else 2 if refs else 1
+def format_version(refs: bool, earlier_files: bool = False, compressed: bool = False) -> int:
+    """The oldest version that holds what a checkpoint uses: 4 where a chunk is stored compressed,
+    3 where it lists data files of earlier generations, 2 where a value record refers to tensors,
+    else 1."""
+    return COMPRESSED_VERSION if compressed else EARLIER_FILES_VERSION if earlier_files else 2 if refs else 1
 
 
 @dataclass(slots=True)
@@ -117,6 +123,8 @@ class Manifest:
     version: int = 1
     #: The training step the save was taken at, where the caller said (``SaveOptions.step``).
     step: int | None = None
+    #: The compression the save asked for (informational: the shard table says how each chunk lies).
+    compression: Compression | None = None
 
     def holder_of(self, name: str) -> str | None:
         """The value whose record refers to entry ``name`` (saved as ``<value>/...``), if any."""
@@ -135,7 +143,7 @@ class Manifest:
         """This manifest as generation ``generation`` of a checkpoint that holds a copy of every data
         file it lists, those of earlier generations under names of their own (``copied_name``)."""
         return dataclasses.replace(self, generation=generation, files=[copied_name(f) for f in self.files],
-                                   version=format_version(self.version >= 2))
+                                   version=format_version(self.version >= 2, compressed=self.version >= COMPRESSED_VERSION))
 
     def components(self) -> set[str]:
         return {e.component for e in self.tensors.values()} | {e.component for e in self.objects.values()}
@@ -147,6 +155,12 @@ class Manifest:
         """The manifest JSON and the shard table bytes (the JSON records the table's checksum)."""
         names = list(self.tensors)
         table, ranges = self._table(names)
+        if (table.chunks is not None) != (self.version >= COMPRESSED_VERSION):
+            if table.chunks is not None:
+                raise ValueError(f"a manifest of format version {self.version} cannot hold compressed chunks")
+            table = ShardTable(table.offsets, table.lengths, table.file, table.offset, table.nbytes, table.crc_first,
+                               table.crcs, ChunkColumns.raw(table.nbytes, table.crc_first, table.crcs,
+                                                            self.checksum_chunk))
         table_bytes = table.encode()
         doc = {
             "format": FORMAT_NAME,
@@ -157,6 +171,7 @@ class Manifest:
             "created_unix": self.created_unix,
             "writer": self.writer,
             **({} if self.step is None else {"step": self.step}),
+            **({} if self.compression is None else {"compression": self.compression.to_manifest()}),
             "checksum": {"algorithm": CHECKSUM_ALGORITHM, "chunk_bytes": self.checksum_chunk},
             "unsafe_pickle": self.unsafe_pickle,
             "files": self.files,
@@ -190,7 +205,7 @@ class Manifest:
         ndim = max((len(self.tensors[n].shape) for n in names), default=0)
         groups = [self.tensors[n].shards for n in names]
         starts = np.concatenate([[0], np.cumsum([len(g) for g in groups])]).tolist()
-        return ShardTable.from_entries(groups, ndim), {n: (starts[i], len(groups[i])) for i, n in enumerate(names)}
+        return ShardTable.from_entries(groups, ndim, self.checksum_chunk), {n: (starts[i], len(groups[i])) for i, n in enumerate(names)}
 
     @staticmethod
     def decode(data: bytes, table: bytes, *, path: str | None = None) -> "Manifest":
@@ -236,7 +251,7 @@ class _ManifestParser:
         self.nfiles = len(files)
         self.chunk = self.int_of(checksum, "chunk_bytes", minimum=1, maximum=MAX_CHECKSUM_CHUNK)
         world_size = self.int_of(doc, "world_size", minimum=1)
-        table = self.table(self.dict_of(doc, "shard_table"), table_bytes)
+        table = self.table(self.dict_of(doc, "shard_table"), table_bytes, version >= COMPRESSED_VERSION)
         return Manifest(
             version=version,
             generation=generation,
@@ -250,6 +265,7 @@ class _ManifestParser:
             created_unix=self.seconds_since_epoch(doc, "created_unix"),
             writer=self.optional(doc, "writer", (str,), ""),
             step=self.optional_step(doc),
+            compression=self.compression(doc),
         )
 
     def files(self, files: Any, version: int, generation: int) -> list[str]:
@@ -268,13 +284,13 @@ class _ManifestParser:
                                 f"{EARLIER_FILES_VERSION} or later)")
         return files
 
-    def table(self, spec: dict, data: bytes) -> ShardTable:
+    def table(self, spec: dict, data: bytes, chunk_columns: bool) -> ShardTable:
         count = self.int_of(spec, "count", minimum=0)
         ndim = self.int_of(spec, "ndim", minimum=0, maximum=MAX_NDIM)
         if spec.get("nbytes") != len(data) or spec.get("crc32c") != crc32c(data):
             raise self.fail("the shard table does not match its size and checksum in the manifest")
         try:
-            table = ShardTable.decode(data, count, ndim)
+            table = ShardTable.decode(data, count, ndim, chunk_columns)
         except ValueError as exc:
             raise self.fail(str(exc)) from None
         first = table.crc_first
@@ -285,7 +301,28 @@ class _ManifestParser:
             raise self.fail("shard table rows hold out-of-range files, offsets or checksum indices")
         if np.any(np.diff(first) != np.maximum(1, -(-table.nbytes // self.chunk))):
             raise self.fail("a shard's checksum count does not match its size")
+        if table.chunks is not None:
+            self.stored_chunks(table)
         return table
+
+    def stored_chunks(self, table: ShardTable) -> None:
+        """The columns of compressed chunks: known codecs; a raw chunk stored as it is (its length
+        and crc those of its raw bytes); a compressed one shorter than its raw bytes and not empty
+        (a chunk that did not shrink is stored raw), so no stored length can claim more than the
+        chunk holds; and each shard's chunks adding up to its stored length."""
+        chunks = table.chunks
+        raw_lengths = raw_chunk_lengths(table.nbytes, table.crc_first, self.chunk)
+        raw = chunks.chunk_codec == RAW
+        if not np.all(np.isin(chunks.chunk_codec, KNOWN)):
+            unknown = int(chunks.chunk_codec[~np.isin(chunks.chunk_codec, KNOWN)][0])
+            raise self.fail(f"a chunk's codec id {unknown} is not one this bcp knows (knows {list(KNOWN)})")
+        if np.any(raw & ((chunks.chunk_stored != raw_lengths) | (chunks.stored_crcs != table.crcs))):
+            raise self.fail("a raw chunk's stored length or checksum differs from its raw bytes'")
+        if np.any(~raw & ((chunks.chunk_stored <= 0) | (chunks.chunk_stored >= raw_lengths))):
+            raise self.fail("a compressed chunk's stored length is not between 1 and its raw length - 1")
+        sums = np.add.reduceat(chunks.chunk_stored, table.crc_first[:-1]) if table.count else chunks.stored_nbytes
+        if np.any(sums != chunks.stored_nbytes):
+            raise self.fail("a shard's stored length is not the sum of its chunks' stored lengths")
 
     def tensors(self, entries: dict, table: ShardTable) -> dict[str, TensorEntry]:
         """Tensor entries over the table, checked together: their row ranges tile the table in
@@ -408,6 +445,18 @@ class _ManifestParser:
         if doc.get("step") is None:
             return None
         return self.int_of(doc, "step", minimum=0)
+
+    def compression(self, doc: dict) -> Compression | None:
+        """What the save asked for (informational; absent where it compressed nothing)."""
+        value = doc.get("compression")
+        if value is None:
+            return None
+        if not isinstance(value, dict) or not isinstance(value.get("codec"), str) or type(value.get("level")) is not int:
+            raise self.fail("'compression' must be an object with a string 'codec' and an integer 'level'")
+        try:
+            return Compression(value["codec"], value["level"])
+        except ValueError as exc:
+            raise self.fail(f"'compression': {exc}") from None
 
     def seconds_since_epoch(self, doc: dict, key: str) -> float:
         """An optional time stamp (0 when absent), within what a date can show."""

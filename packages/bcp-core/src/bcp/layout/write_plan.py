@@ -44,17 +44,20 @@ class PieceWrite:
     """Local piece ``index`` (or ``part`` of it) to write. ``data`` is the tensor holding exactly its
     bytes, or a function producing that tensor when it is written (streaming tools keep one piece
     in memory at a time); ``nbytes`` is its size either way. ``crcs``, where known, are the chunk
-    checksums of those bytes (computed once, when the save compared them across ranks)."""
+    checksums of those bytes (computed once, when the save compared them across ranks). ``dtype``
+    is the tensor's, for a produced piece whose chunks are compressed (without it they are coded as
+    whole bytes; where ``data`` is a tensor, its own dtype counts)."""
 
     index: int
     part: SplitPart | None
     data: torch.Tensor | Callable[[], torch.Tensor]
     nbytes: int
     crcs: list[int] | None = None
+    dtype: torch.dtype | None = None
 
     @staticmethod
     def of(index: int, part: SplitPart | None, tensor: torch.Tensor, crcs: list[int] | None = None) -> "PieceWrite":
-        return PieceWrite(index, part, tensor, tensor.numel() * tensor.element_size(), crcs)
+        return PieceWrite(index, part, tensor, tensor.numel() * tensor.element_size(), crcs, tensor.dtype)
 
     def tensor(self) -> torch.Tensor:
         return self.data() if callable(self.data) else self.data

@@ -4,34 +4,40 @@ one small record per tensor, however many pieces the ranks wrote."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
 
+from bcp.chunk_codecs import Compression
 from bcp.layout.manifest import ByteRange, Manifest, ObjectEntry, TensorEntry, format_version
-from bcp.layout.shard_table import ShardTable
+from bcp.layout.shard_table import ChunkColumns, ShardTable
 from bcp.layout.write_report import RankWrites, WrittenPieces
 from bcp.planning.save_plan import PlanColumns
 
 
 def assemble_manifest(*, generation: int, framework: str, checksum_chunk: int, writer: str, columns: PlanColumns,
-                      reports: list[RankWrites], world_size: int | None = None) -> Manifest:
+                      reports: list[RankWrites], world_size: int | None = None,
+                      compression: Compression | None = None) -> Manifest:
     """``columns`` are the plan's pieces; ``reports[r]`` is what rank r wrote (and the pieces it
     found stored by an earlier generation). ``world_size`` is the saved world's (default: one
-    report per rank)."""
+    report per rank); ``compression`` what the save asked for."""
     files: list[str] = []
     file_base: list[int] = []
     for report in reports:
         file_base.append(len(files))
         files.extend(report.files)
     earlier: dict[str, int] = {}  # a file of an earlier generation is listed once, whichever ranks use it
+    compressed = any(w.chunks is not None for r in reports for w in (r.pieces, r.reused))
     rows = []
     for report, base in zip(reports, file_base):
         indices = np.array([earlier.setdefault(name, len(files) + len(earlier)) for name in report.earlier_files],
                            dtype=np.int64)
-        own = WrittenPieces(report.pieces.index, report.pieces.parts, report.pieces.where + [[base, 0, 0]],
-                            report.pieces.crc_counts, report.pieces.crcs)
-        rows.append(WrittenPieces.concat(own, report.reused, indices) if len(report.reused.index) else own)
+        own, reused = report.pieces, report.reused
+        if compressed:  # then every row has stored chunks (raw ones where a rank compressed none)
+            own, reused = own.with_chunks(checksum_chunk), reused.with_chunks(checksum_chunk)
+        own = dataclasses.replace(own, where=own.where + [[base, 0, 0]])
+        rows.append(WrittenPieces.concat(own, reused, indices) if len(reused.index) else own)
     files.extend(earlier)
     table, per_tensor = _shard_table(columns, rows)
     firsts = np.concatenate([[0], np.cumsum(per_tensor)]).tolist()
@@ -42,7 +48,8 @@ def assemble_manifest(*, generation: int, framework: str, checksum_chunk: int, w
                     tensors=tensors, objects=_object_entries(reports, file_base, world_size),
                     checksum_chunk=checksum_chunk, unsafe_pickle=any(r.used_pickle for r in reports),
                     created_unix=time.time(), writer=writer,
-                    version=format_version(any(r.used_refs for r in reports), bool(earlier)))
+                    version=format_version(any(r.used_refs for r in reports), bool(earlier), compressed),
+                    compression=compression if compressed else None)
 
 
 def _shard_table(columns: PlanColumns, written: list[WrittenPieces]) -> tuple[ShardTable, np.ndarray]:
@@ -67,10 +74,14 @@ def _shard_table(columns: PlanColumns, written: list[WrittenPieces]) -> tuple[Sh
     crc_first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     gather = np.repeat(crc_starts[order] - crc_first[:-1], counts) + np.arange(crc_first[-1], dtype=np.int64)
 
+    chunks = None
+    if written and written[0].chunks is not None:
+        stored_nbytes, *per_chunk = (np.concatenate(c) for c in zip(*(w.chunks.arrays() for w in written)))
+        chunks = ChunkColumns(stored_nbytes[order], *(c[gather] for c in per_chunk))
     ndim = columns.ndim
     table = ShardTable(np.concatenate(offsets or [np.zeros((0, ndim), dtype=np.int64)])[order],
                        np.concatenate(lengths or [np.ones((0, ndim), dtype=np.int64)])[order],
-                       where[order, 0], where[order, 1], where[order, 2], crc_first, crcs[gather])
+                       where[order, 0], where[order, 1], where[order, 2], crc_first, crcs[gather], chunks)
     return table, np.bincount(tensor, minlength=len(columns.names))
 
 

@@ -66,7 +66,7 @@ def plan_reads(manifest: Manifest, pieces: list[Piece]) -> list[ReadOp]:
     piece fill it exactly."""
     groups: dict[int, tuple[ShardTable, list[tuple[Piece, int, int]]]] = {}
     for piece in pieces:
-        table, first, count = manifest.tensors[piece.name].table_rows()
+        table, first, count = manifest.tensors[piece.name].table_rows(manifest.checksum_chunk)
         groups.setdefault(id(table), (table, []))[1].append((piece, first, count))
     return [op for table, group in groups.values() for op in _plan_over(table, group)]
 

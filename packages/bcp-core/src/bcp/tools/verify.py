@@ -1,5 +1,7 @@
 """``bcp verify``: a checkpoint is complete (every data file present and long enough, every tensor
-covered exactly once by its shards) and intact (every stored byte matches its checksum)."""
+covered exactly once by its shards) and intact (every stored byte matches its checksum). Compressed
+chunks (format version 4) are checked as stored, without decoding them; with ``decode`` they are
+decoded too and their raw bytes checked."""
 
 from __future__ import annotations
 
@@ -43,21 +45,24 @@ class VerifyReport:
 
 
 def verify_checkpoint(path: "str | os.PathLike | Storage", *, role: str | None = None,
-                      generation: int | None = None, progress: Progress | None = None) -> VerifyReport:
+                      generation: int | None = None, progress: Progress | None = None,
+                      decode: bool = False) -> VerifyReport:
     """Check the newest committed generation (or ``generation``) and report every problem found;
-    a checkpoint that cannot be opened at all raises."""
+    a checkpoint that cannot be opened at all raises. ``decode``: compressed chunks are decoded and
+    their raw bytes checked too (else their stored bytes only)."""
     checkpoint = open_checkpoint(path, role=role, generation=generation, verify=True)
     report = VerifyReport(checkpoint.path, checkpoint.generation)
-    _Verifier(checkpoint, report, progress or NoProgress()).run()
+    _Verifier(checkpoint, report, progress or NoProgress(), decode).run()
     return report
 
 
 class _Verifier:
-    def __init__(self, checkpoint: Checkpoint, report: VerifyReport, progress: Progress) -> None:
+    def __init__(self, checkpoint: Checkpoint, report: VerifyReport, progress: Progress, decode: bool) -> None:
         self.checkpoint = checkpoint
         self.manifest = checkpoint.manifest
         self.report = report
         self.progress = progress
+        self.decode = decode
         self.bad_files: set[int] = set()
 
     def problem(self, entry: str | None, message: str) -> None:
@@ -65,7 +70,7 @@ class _Verifier:
 
     def run(self) -> None:
         self.check_files()
-        self.progress.start("verify", sum(r.nbytes for _, r in self.ranges() if r.file not in self.bad_files))
+        self.progress.start("verify", sum(self.checked_nbytes(r) for _, r in self.ranges() if r.file not in self.bad_files))
         try:
             for name, entry in self.manifest.tensors.items():
                 self.check_coverage(name)
@@ -89,7 +94,7 @@ class _Verifier:
         needed = [0] * len(self.manifest.files)
         users: list[set[str]] = [set() for _ in self.manifest.files]
         for name, r in self.ranges():
-            needed[r.file] = max(needed[r.file], r.offset + r.nbytes)
+            needed[r.file] = max(needed[r.file], r.offset + r.stored_nbytes)
             users[r.file].add(name)
         storage, location = self.checkpoint.location.storage, self.checkpoint.location
         for index, file in enumerate(self.manifest.files):
@@ -126,12 +131,16 @@ class _Verifier:
             self.problem(name, exc.message)
 
     def check_bytes(self, name: str, where: ByteRange) -> bool:
-        """Read a stored range block by block; the reader checks every chunk's checksum."""
+        """Read a stored range block by block; the reader checks every chunk's checksum (of a
+        compressed range, the stored bytes' unless decoding)."""
         if where.file in self.bad_files:
             return False
-        block = self.manifest.checksum_chunk * BLOCK_CHUNKS
-        buffer = memoryview(bytearray(min(block, where.nbytes)))
         try:
+            if where.stored is not None and not self.decode:
+                self.check_stored(name, where)
+                return True
+            block = self.manifest.checksum_chunk * BLOCK_CHUNKS
+            buffer = memoryview(bytearray(min(block, where.nbytes)))
             for start in range(0, where.nbytes, block):
                 view = buffer[: min(block, where.nbytes - start)]
                 self.checkpoint.read_range(where, start, view, name)
@@ -140,6 +149,16 @@ class _Verifier:
             self.problem(name, _reason(exc))
             return False
         return True
+
+    def check_stored(self, name: str, where: ByteRange) -> None:
+        """A compressed range's chunks as stored, a few at a time, each checked against the checksum
+        of its stored bytes (not decoded)."""
+        starts = where.stored.starts()
+        for first in range(0, len(starts) - 1, BLOCK_CHUNKS):
+            end = min(first + BLOCK_CHUNKS, len(starts) - 1)
+            view = memoryview(bytearray(starts[end] - starts[first]))
+            self.checkpoint.read_stored(where, starts[first], view, name)
+            self.advance(view.nbytes)
 
     def check_value(self, name: str, entry: Any) -> bool:
         """A value's records (small: each was one buffer at save time) must match their checksums and
@@ -164,6 +183,10 @@ class _Verifier:
         if name not in self.manifest.tensors and name not in self.manifest.objects:
             raise CorruptCheckpointError(f"a value refers to the tensor {name!r}, which the checkpoint does not hold",
                                          path=self.report.path, key=name)
+
+    def checked_nbytes(self, where: ByteRange) -> int:
+        """The bytes checking ``where`` reads: stored ones, unless decoding."""
+        return where.stored_nbytes if where.stored is not None and not self.decode else where.nbytes
 
     def advance(self, nbytes: int) -> None:
         self.report.bytes_checked += nbytes

@@ -1,0 +1,153 @@
+"""How a compressed checkpoint stores each checksum chunk (format version 4): the codec ids of the
+format, the user's choice of compression, and the coding of one chunk: zstd over the chunk's bytes,
+or over its byte planes for floating-point data (exponent bytes apart from low mantissa bytes); a
+chunk the codec does not make smaller is stored raw. Decoding writes exactly the chunk's raw length
+into memory the caller holds: a stream that claims more, or is damaged, fails with
+``ChunkDecodeError`` before anything larger is allocated.
+
+zstandard releases the interpreter lock while it codes, so writer and reader threads code chunks
+in parallel. Every layer uses this module (the manifest's reader validates codec ids, the writer
+process codes chunks), so it imports no torch and nothing else of bcp.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+#: Stored as it is (also every chunk that a codec did not make smaller).
+RAW = 0
+#: zstd over the chunk's bytes as they are.
+ZSTD = 1
+#: zstd over the chunk's byte planes: for elements of ``width`` bytes (a floating-point dtype's, a
+#: complex dtype's real part's), byte b of every element together, b = 0 .. width-1.
+ZSTD_PLANES = 2
+#: Every codec id a reader of format version 4 knows.
+KNOWN = (RAW, ZSTD, ZSTD_PLANES)
+#: The names ``Compression.codec`` accepts.
+CODECS = ("zstd",)
+
+
+@dataclass(frozen=True, slots=True)
+class Compression:
+    """Lossless compression of a save's tensor bytes, chunk by checksum chunk: ``codec`` (``"zstd"``)
+    at ``level``; floating-point data is coded in byte planes. A chunk the codec does not make
+    smaller is stored raw. Level 1 gave the best ratio at storage speed (docs/format.md)."""
+
+    codec: str = "zstd"
+    level: int = 1
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ValueError(f"unknown compression codec {self.codec!r} (known: {', '.join(CODECS)})")
+        if type(self.level) is not int or not 1 <= self.level <= 22:
+            raise ValueError(f"the zstd compression level must be an integer in [1, 22], not {self.level!r}")
+
+    @staticmethod
+    def of(value: "Compression | str | bool | None") -> "Compression | None":
+        """The compression a save asked for: a ``Compression``, a codec name, ``True`` (zstd at
+        level 1), or ``None``/``False`` (none); ``ValueError`` for anything else."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return Compression()
+        if isinstance(value, str):
+            return Compression(value)
+        if isinstance(value, Compression):
+            return value
+        raise ValueError(f"compression must be a codec name ({', '.join(CODECS)}), a bcp.Compression, True or "
+                         f"None, not {value!r}")
+
+    def to_manifest(self) -> dict[str, object]:
+        return {"codec": self.codec, "level": self.level}
+
+
+def codec_for(width: int) -> int:
+    """The codec id of a chunk of elements whose real parts are ``width`` bytes of floating-point
+    data (1: not floating-point)."""
+    return ZSTD_PLANES if width > 1 else ZSTD
+
+
+# One compressor and decompressor per thread and level (a zstd context is not shared between
+# threads; making one per chunk cost more than coding a small chunk).
+_contexts = threading.local()
+_UNSIGNED = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
+class ChunkDecodeError(ValueError):
+    """A stored chunk does not decode to its raw length (damaged, or not what its codec wrote)."""
+
+
+def compress_chunk(raw: memoryview, codec: int, width: int, level: int) -> tuple[int, memoryview]:
+    """``(codec id, stored bytes)`` of one chunk: coded with ``codec`` (``ZSTD_PLANES``: in planes
+    of ``width`` bytes), or ``(RAW, raw)`` where that is not smaller."""
+    if codec == RAW or raw.nbytes == 0:
+        return RAW, raw
+    if codec == ZSTD_PLANES and (width not in _UNSIGNED or raw.nbytes % width):
+        codec = ZSTD  # not whole elements of a width that has planes (a checksum chunk of odd size)
+    data = split_planes(raw, width) if codec == ZSTD_PLANES else raw
+    stored = _compressor(level).compress(data)
+    if len(stored) >= raw.nbytes:
+        return RAW, raw
+    return codec, memoryview(stored)
+
+
+def decompress_chunk(stored: memoryview, codec: int, width: int, out: memoryview) -> None:
+    """Decode one stored chunk into ``out``, which it must fill exactly."""
+    if codec == RAW:
+        if stored.nbytes != out.nbytes:
+            raise ChunkDecodeError(f"a raw chunk of {stored.nbytes} bytes where {out.nbytes} are expected")
+        out[:] = stored
+        return
+    if codec not in (ZSTD, ZSTD_PLANES):
+        raise ChunkDecodeError(f"unknown codec id {codec}")
+    if codec == ZSTD_PLANES and (width not in _UNSIGNED or out.nbytes % width):
+        raise ChunkDecodeError(f"byte planes of width {width} cannot make {out.nbytes} bytes")
+    try:
+        # max_output_size bounds what a damaged or hostile frame can make this allocate
+        data = _decompressor().decompress(stored, max_output_size=out.nbytes)
+    except zstandard.ZstdError as exc:
+        raise ChunkDecodeError(f"zstd: {exc}") from None
+    if len(data) != out.nbytes:
+        raise ChunkDecodeError(f"decoded to {len(data)} bytes, {out.nbytes} expected")
+    if codec == ZSTD_PLANES:
+        join_planes(memoryview(data), width, out)
+    else:
+        out[:] = data
+
+
+def split_planes(raw: memoryview, width: int) -> np.ndarray:
+    """Bytes of ``width``-byte elements as ``width`` planes, plane b holding byte b of every element."""
+    return np.ascontiguousarray(np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T)
+
+
+def join_planes(planes: memoryview, width: int, out: memoryview) -> None:
+    """The inverse of :func:`split_planes`, into ``out``. Built by shifts on ``width``-byte integers:
+    measured 6 GB/s for two planes, where a transposing copy managed 0.7 GB/s."""
+    count = planes.nbytes // width
+    source = np.frombuffer(planes, dtype=np.uint8).reshape(width, count)
+    target = np.frombuffer(out, dtype=_UNSIGNED[width])
+    np.copyto(target, source[width - 1], casting="unsafe")
+    for plane in range(width - 2, -1, -1):
+        target <<= 8
+        target |= source[plane]
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    by_level = getattr(_contexts, "compressors", None)
+    if by_level is None:
+        by_level = _contexts.compressors = {}
+    compressor = by_level.get(level)
+    if compressor is None:
+        compressor = by_level[level] = zstandard.ZstdCompressor(level=level)
+    return compressor
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    decompressor = getattr(_contexts, "decompressor", None)
+    if decompressor is None:
+        decompressor = _contexts.decompressor = zstandard.ZstdDecompressor()
+    return decompressor
