@@ -21,7 +21,7 @@ import accelerate
 from accelerate.utils.constants import RNG_STATE_NAME
 
 import bcp
-from bcp_accelerate import components, engine, generations, hooks
+from bcp_accelerate import components, engine, generations, hooks, save_options
 from bcp_accelerate.accelerate_patch import prepared
 from bcp_accelerate.consensus import on_all_ranks
 
@@ -29,21 +29,13 @@ from bcp_accelerate.consensus import on_all_ranks
 FILES = "accelerate_files"
 
 _ATTRIBUTE = "_bcp_memory_tier"
-_SAVES = "_bcp_tier_saves"
 _PENDING = "_bcp_tier_pending"
 
 
-def set_tier(accelerator: Any, tier: "bcp.MemoryTier | None", *, async_save: bool = False,
-             overlap: bool = False) -> None:
-    """``tier``: where ``save_state()``/``load_state()`` without a folder go. ``async_save``: a save
-    into a tier returns once staged in host memory, ``overlap`` before the parameters and optimizer
-    state are copied (``bcp.SaveOptions``); folders are saved synchronously either way."""
+def set_tier(accelerator: Any, tier: "bcp.MemoryTier | None") -> None:
     if tier is not None and not isinstance(tier, bcp.MemoryTier):
         raise TypeError(f"memory_tier takes a bcp.MemoryTier, got {type(tier).__name__}")
-    if type(async_save) is not bool or type(overlap) is not bool:
-        raise TypeError(f"async_save and overlap must be True or False, got {async_save!r} and {overlap!r}")
     setattr(accelerator, _ATTRIBUTE, tier)
-    setattr(accelerator, _SAVES, bcp.SaveOptions(async_save=async_save, overlap=overlap))
 
 
 def wait_pending(accelerator: Any) -> None:
@@ -76,7 +68,7 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: Any = None, safe
     files = _written_files(lambda folder: engine.save_accelerate_files(accelerator, folder, safe_serialization))
     state = engine.state_to_save(accelerator, saved_models, files=None)
     state[FILES] = files
-    options = getattr(accelerator, _SAVES, None) or bcp.SaveOptions()
+    options = save_options.for_tier(accelerator)
     stepping = tuple(components.torch_optimizer(o) for o in prepared(accelerator, "optimizers"))
     handle = bcp.save(tier, state, options, topology=engine.process_topology(accelerator), step=accelerator.step,
                       incremental=generations.incremental(accelerator),

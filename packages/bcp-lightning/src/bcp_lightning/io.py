@@ -52,6 +52,9 @@ class CheckpointIOMixin:
     ``memory_tier``: a ``bcp.MemoryTier`` that the checkpoint path ``bcp_lightning.MEMORY_TIER``
     names (node memory, replicated to peer nodes, persisted every few saves).
 
+    ``compression="zstd"`` (or ``True``) compresses the tensors' bytes losslessly, each checksum chunk
+    on its own, on the writer threads (``bcp.SaveOptions.compression``); loads read either kind.
+
     ``overlap=True`` (with ``async_save=True``): a save returns before the parameters and optimizer
     state are copied to host memory, and the fit's optimizers wait for the copy before they step
     (``bcp.SaveOptions.overlap``); with ``MemoryTierCheckpoint(every_n_train_steps=1)``, a snapshot
@@ -69,7 +72,7 @@ class CheckpointIOMixin:
                  verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS,
                  keep_generations: int = DEFAULT_KEEP_GENERATIONS, load_generation: int | None = None,
                  memory_tier: "bcp.MemoryTier | None" = None, incremental: bool = False,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, compression: "bcp.Compression | str | bool | None" = None) -> None:
         super().__init__()
         if memory_tier is not None and not targets.is_tier(memory_tier):
             raise TypeError(f"memory_tier takes a bcp.MemoryTier, got {type(memory_tier).__name__}")
@@ -77,7 +80,7 @@ class CheckpointIOMixin:
         self.options = Options.of(async_save=async_save, allow_pickle=allow_pickle, verify=verify,
                                   verify_replicas=verify_replicas, io_threads=io_threads,
                                   keep_generations=keep_generations, load_generation=load_generation,
-                                  incremental=incremental, overlap=overlap)
+                                  incremental=incremental, overlap=overlap, compression=compression)
         self._pending = PendingSaves()
         self.last_load: bcp.LoadResult | None = None
         loader_states.install()  # shuffled train loaders: follow their draws from the first fit on

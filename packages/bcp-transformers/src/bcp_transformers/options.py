@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from transformers import Trainer
 
+from bcp import Compression
+
 _OPTIONS = "_bcp_checkpoint_options"
 
 
@@ -20,6 +22,9 @@ class CheckpointOptions:
     #: host memory; the copy overlaps the next step's forward and backward, and the optimizer waits
     #: for it before it steps (``bcp.SaveOptions.overlap``).
     overlap: bool = False
+    #: ``"zstd"`` (or ``True``): the tensors' bytes compressed losslessly on the writer threads
+    #: (``bcp.SaveOptions.compression``); resumes read either kind.
+    compression: "Compression | str | bool | None" = None
     #: Also write the Trainer's own model files (``config.json``, ``model.safetensors``) into each
     #: folder, for ``from_pretrained`` without ``bcp export``: a second, synchronous write of the model.
     save_model_files: bool = False
