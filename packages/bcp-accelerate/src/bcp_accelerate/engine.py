@@ -24,7 +24,7 @@ from accelerate.utils import DistributedType
 import bcp
 from bcp import AdapterError, CheckpointNotCommittedError, MismatchError
 from bcp.integration import checkpoint_location, refusing_pickled_code
-from bcp_accelerate import components, dataloaders, folders, framework_files, generations, hooks, places
+from bcp_accelerate import components, dataloaders, folders, framework_files, generations, hooks, places, save_options
 from bcp_accelerate.accelerate_patch import prepared
 from bcp_accelerate.consensus import on_all_ranks
 from bcp_accelerate.engine_variable import ENGINE_VARIABLE
@@ -61,7 +61,8 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: "str | os.PathLi
     on_all_ranks(lambda: _save_accelerate_files(accelerator, places.join(folder, files_dir), safe_serialization),
                  f"writing accelerate's files to {folder}")
 
-    bcp.save(folder, state_to_save(accelerator, saved_models, files=files_dir), topology=process_topology(accelerator),
+    bcp.save(folder, state_to_save(accelerator, saved_models, files=files_dir), save_options.for_folder(accelerator),
+             topology=process_topology(accelerator),
              keep_generations=generations.kept(accelerator), incremental=generations.incremental(accelerator),
              step=accelerator.step).wait()
 

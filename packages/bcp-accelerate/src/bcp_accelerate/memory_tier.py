@@ -21,19 +21,30 @@ import accelerate
 from accelerate.utils.constants import RNG_STATE_NAME
 
 import bcp
-from bcp_accelerate import engine, generations, hooks
+from bcp_accelerate import components, engine, generations, hooks, save_options
+from bcp_accelerate.accelerate_patch import prepared
 from bcp_accelerate.consensus import on_all_ranks
 
 #: The bcp component holding, per process, the bytes of accelerate's files by file name.
 FILES = "accelerate_files"
 
 _ATTRIBUTE = "_bcp_memory_tier"
+_PENDING = "_bcp_tier_pending"
 
 
 def set_tier(accelerator: Any, tier: "bcp.MemoryTier | None") -> None:
     if tier is not None and not isinstance(tier, bcp.MemoryTier):
         raise TypeError(f"memory_tier takes a bcp.MemoryTier, got {type(tier).__name__}")
     setattr(accelerator, _ATTRIBUTE, tier)
+
+
+def wait_pending(accelerator: Any) -> None:
+    """Block until the accelerator's asynchronous save into a tier, if one is in flight, has
+    committed; raise its failure."""
+    handle = getattr(accelerator, _PENDING, None)
+    setattr(accelerator, _PENDING, None)
+    if handle is not None:
+        handle.wait()
 
 
 def tier_for(accelerator: Any, folder: Any) -> "bcp.MemoryTier | None":
@@ -48,6 +59,7 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: Any = None, safe
                **save_model_func_kwargs: Any) -> Any:
     """``Accelerator.save_state`` through bcp, into a memory tier where the call or the accelerator
     names one, else into a folder (``engine.save_state``). Returns the tier or the folder."""
+    wait_pending(accelerator)
     tier = tier_for(accelerator, output_dir)
     if tier is None:
         return engine.save_state(accelerator, output_dir, safe_serialization, **save_model_func_kwargs)
@@ -56,8 +68,14 @@ def save_state(accelerator: accelerate.Accelerator, output_dir: Any = None, safe
     files = _written_files(lambda folder: engine.save_accelerate_files(accelerator, folder, safe_serialization))
     state = engine.state_to_save(accelerator, saved_models, files=None)
     state[FILES] = files
-    bcp.save(tier, state, topology=engine.process_topology(accelerator), step=accelerator.step,
-             incremental=generations.incremental(accelerator)).wait()
+    options = save_options.for_tier(accelerator)
+    stepping = tuple(components.torch_optimizer(o) for o in prepared(accelerator, "optimizers"))
+    handle = bcp.save(tier, state, options, topology=engine.process_topology(accelerator), step=accelerator.step,
+                      incremental=generations.incremental(accelerator),
+                      overlap_optimizers=stepping if options.overlap else ())
+    setattr(accelerator, _PENDING, handle)
+    if not options.async_save:
+        wait_pending(accelerator)
     accelerator.project_configuration.iteration += 1
     return tier
 
@@ -67,6 +85,7 @@ def load_state(accelerator: accelerate.Accelerator, input_dir: Any = None, load_
     """``Accelerator.load_state`` through bcp, from a memory tier where the call or the accelerator
     names one (the newest generation complete in node memory, else the persistent copy), else from a
     folder (``engine.load_state``)."""
+    wait_pending(accelerator)
     tier = tier_for(accelerator, input_dir)
     if tier is None:
         return engine.load_state(accelerator, input_dir, load_kwargs, accelerate_load_state=accelerate_load_state,

@@ -15,7 +15,7 @@ import accelerate
 
 import bcp
 from bcp import integration
-from bcp_accelerate import dataloaders, generations
+from bcp_accelerate import dataloaders, generations, save_options
 from bcp_accelerate import memory_tier as memory_tier_module
 from bcp_accelerate.generations import DEFAULT_KEEP_GENERATIONS
 from bcp_accelerate.engine_variable import ENGINE_VARIABLE
@@ -34,19 +34,28 @@ def requested_engine() -> str | None:
 
 
 def enable(accelerator: accelerate.Accelerator, *, keep_generations: int = DEFAULT_KEEP_GENERATIONS,
-           memory_tier: "bcp.MemoryTier | None" = None, incremental: bool = False) -> accelerate.Accelerator:
+           memory_tier: "bcp.MemoryTier | None" = None, incremental: bool = False, async_save: bool = False,
+           overlap: bool = False, compression: "bcp.Compression | str | bool | None" = None) -> accelerate.Accelerator:
     """Route this accelerator's ``save_state``/``load_state`` through bcp; returns it.
     ``keep_generations``: committed generations kept when ``save_state`` writes to a folder that
     already holds a checkpoint (a fixed ``output_dir``); each is a full copy of the state on disk,
     and ``load_state(folder, generation=N)`` loads an older one. ``memory_tier``: where
     ``save_state()`` and ``load_state()`` called without a folder go (a folder given still goes to
     that folder); ``save_state(tier)``/``load_state(tier)`` work without it. ``incremental``: a
-    folder or tier saved again gets only the tensors that changed written (``docs/incremental.md``)."""
+    folder or tier saved again gets only the tensors that changed written (``docs/incremental.md``).
+    ``async_save``: ``save_state`` into a tier returns once the state is staged in host memory and
+    commits in the background; the next ``save_state``/``load_state`` waits for it to commit (and
+    raises its failure). ``overlap`` (with ``async_save``): it returns before the parameters and
+    optimizer state are copied; the prepared optimizers wait for the copy before they step
+    (``docs/memory-tier.md``, "Checkpointing every step"). Folders are saved synchronously.
+    ``compression``: ``"zstd"`` (or ``True``) compresses the tensors' bytes losslessly, in folders and
+    tiers (``bcp.SaveOptions.compression``)."""
     if not isinstance(accelerator, accelerate.Accelerator):
         raise TypeError(f"enable() takes an accelerate.Accelerator, got {type(accelerator).__name__}")
     generations.set_kept(accelerator, keep_generations)
     generations.set_incremental(accelerator, incremental)
     memory_tier_module.set_tier(accelerator, memory_tier)
+    save_options.set_options(accelerator, async_save=async_save, overlap=overlap, compression=compression)
     install()
     setattr(accelerator, _OPTED_IN, True)
     return accelerator

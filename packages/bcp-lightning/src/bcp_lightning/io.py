@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import bcp
 from bcp.integration import default_coordinator
-from bcp_lightning import convert, loader_states, options, paths, targets, torch_files
+from bcp_lightning import convert, lightning_patch, loader_states, options, paths, targets, torch_files
 from bcp_lightning.options import DEFAULT_IO_THREADS, DEFAULT_KEEP_GENERATIONS, Options
 from bcp_lightning.pending import PendingSaves
 from bcp_lightning.targets import Target
@@ -52,6 +52,15 @@ class CheckpointIOMixin:
     ``memory_tier``: a ``bcp.MemoryTier`` that the checkpoint path ``bcp_lightning.MEMORY_TIER``
     names (node memory, replicated to peer nodes, persisted every few saves).
 
+    ``compression="zstd"`` (or ``True``) compresses the tensors' bytes losslessly, each checksum chunk
+    on its own, on the writer threads (``bcp.SaveOptions.compression``); loads read either kind.
+
+    ``overlap=True`` (with ``async_save=True``): a save returns before the parameters and optimizer
+    state are copied to host memory, and the fit's optimizers wait for the copy before they step
+    (``bcp.SaveOptions.overlap``); with ``MemoryTierCheckpoint(every_n_train_steps=1)``, a snapshot
+    of every step. Code that writes parameters outside ``optimizer.step()`` (an EMA into the model)
+    calls the plugin's ``wait_snapshot()`` first.
+
     ``last_load`` is the ``bcp.LoadResult`` of the newest load through this plugin (for a memory
     tier, its ``source`` says whether node memory or the persistent copy was read, and why).
     """
@@ -62,7 +71,8 @@ class CheckpointIOMixin:
     def __init__(self, *, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
                  verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS,
                  keep_generations: int = DEFAULT_KEEP_GENERATIONS, load_generation: int | None = None,
-                 memory_tier: "bcp.MemoryTier | None" = None, incremental: bool = False) -> None:
+                 memory_tier: "bcp.MemoryTier | None" = None, incremental: bool = False,
+                 overlap: bool = False, compression: "bcp.Compression | str | bool | None" = None) -> None:
         super().__init__()
         if memory_tier is not None and not targets.is_tier(memory_tier):
             raise TypeError(f"memory_tier takes a bcp.MemoryTier, got {type(memory_tier).__name__}")
@@ -70,7 +80,7 @@ class CheckpointIOMixin:
         self.options = Options.of(async_save=async_save, allow_pickle=allow_pickle, verify=verify,
                                   verify_replicas=verify_replicas, io_threads=io_threads,
                                   keep_generations=keep_generations, load_generation=load_generation,
-                                  incremental=incremental)
+                                  incremental=incremental, overlap=overlap, compression=compression)
         self._pending = PendingSaves()
         self.last_load: bcp.LoadResult | None = None
         loader_states.install()  # shuffled train loaders: follow their draws from the first fit on
@@ -135,7 +145,8 @@ class CheckpointIOMixin:
                 # Other ranks touch the path only after rank 0 has planned the save, so no barrier is needed.
                 paths.prepare_for_save(location)
             handle = bcp.save(location, _components(checkpoint, coordinator), opts, coordinator=coordinator,
-                              topology=_topology(opts, topology, coordinator), step=_global_step(checkpoint))
+                              topology=_topology(opts, topology, coordinator), step=_global_step(checkpoint),
+                              overlap_optimizers=self._fit_optimizers() if opts.overlap else ())
         finally:
             pending.returned(handle)
         self._pending.reap()
@@ -172,6 +183,13 @@ class CheckpointIOMixin:
         loader_states.put_back(rest, state)
         return rest
 
+    def wait_snapshot(self) -> None:
+        """Block until the pending saves' copies of the state are complete, so that the state may
+        change: at once unless they overlap their copy with training (``overlap``). The fit's
+        optimizers wait for it themselves; call it on the training thread before writing parameters
+        or optimizer state otherwise."""
+        self._pending.wait_snapshots()
+
     def wait(self, path: str | None = None) -> None:
         """Block until pending saves (to ``path``, or all) are committed; raise the first failure."""
         self._pending.wait(path)
@@ -180,6 +198,15 @@ class CheckpointIOMixin:
 
     def _target(self, path: Any) -> Target:
         return targets.of(path, self.memory_tier)
+
+    def _fit_optimizers(self) -> tuple[Any, ...]:
+        """The torch optimizers of the fit checkpointing through this plugin: Lightning's dict holds
+        their state, and they wait for an overlapped save's copy before they step. None where no
+        fit is followed (``loader_states``): the save then copies everything at the call."""
+        trainer = loader_states.followed_trainer()
+        if trainer is None or trainer.strategy.checkpoint_io is not self:
+            return ()
+        return tuple(lightning_patch.torch_optimizer(optimizer) for optimizer in trainer.strategy.optimizers)
 
     def _before_load(self, path: Any) -> Target:
         self.wait()

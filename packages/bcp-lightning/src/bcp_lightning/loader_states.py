@@ -239,7 +239,7 @@ def _loop_state(rest: Mapping[str, Any]) -> dict[str, Any] | None:
 def positions(states: list[Any]) -> list[dict[str, Any] | None]:
     """Per saved loader state, this rank's position in its epoch, read off the live train loaders of the
     fit that saves (None where bcp cannot follow its order, or no fit set loaders up here)."""
-    trainer = _FOLLOWED.trainer() if _FOLLOWED.trainer is not None else None
+    trainer = followed_trainer()
     live = [loader for loader in lightning_patch.train_loaders(trainer) or [] if _stateful(loader)]
     if len(live) != len(states):
         return [None] * len(states)
@@ -293,6 +293,11 @@ class _Followed:
 
 
 _FOLLOWED = _PENDING = _Followed()
+
+
+def followed_trainer() -> Any | None:
+    """The trainer of the fit whose train loaders were set up last (None: none yet, or it is gone)."""
+    return _FOLLOWED.trainer() if _FOLLOWED.trainer is not None else None
 
 
 def install() -> None:

@@ -26,7 +26,8 @@ class Options:
     def of(*, async_save: bool = False, allow_pickle: bool = False, verify: bool = True,
            verify_replicas: bool = False, io_threads: int = DEFAULT_IO_THREADS,
            keep_generations: int = DEFAULT_KEEP_GENERATIONS, load_generation: int | None = None,
-           incremental: bool = False) -> "Options":
+           incremental: bool = False, overlap: bool = False,
+           compression: "bcp.Compression | str | bool | None" = None) -> "Options":
         """``async_save``: return from a save once bcp has staged it in host memory (it commits in
         the background, in call order; pending saves are waited for before a load, before their path
         is removed, at teardown and at exit). ``allow_pickle``: let values outside bcp's safe
@@ -35,19 +36,27 @@ class Options:
         (``last.ckpt``); each costs the checkpoint's size on disk. ``load_generation``: the kept
         generation that loads read instead of the newest (a roll-back; ``bcp inspect`` lists them).
         ``incremental``: a path saved again (``last.ckpt``) gets only the tensors that changed written
-        (``docs/incremental.md``). The others as in ``bcp.SaveOptions``/``bcp.LoadOptions``."""
+        (``docs/incremental.md``). ``overlap`` (with ``async_save``): return before the parameters and
+        optimizer state are copied to host memory; the fit's optimizers wait for the copy before they
+        step (``bcp.SaveOptions.overlap``). ``compression``: the tensors' bytes compressed losslessly
+        (``"zstd"`` or ``True``; ``bcp.SaveOptions.compression``). The others as in
+        ``bcp.SaveOptions``/``bcp.LoadOptions``."""
         return Options(save=bcp.SaveOptions(async_save=async_save, allow_pickle=allow_pickle,
                                             verify_replicas=verify_replicas, io_threads=io_threads,
-                                            keep_generations=keep_generations, incremental=incremental),
+                                            keep_generations=keep_generations, incremental=incremental,
+                                            overlap=overlap, compression=compression),
                        load=bcp.LoadOptions(allow_pickle=allow_pickle, verify=verify, io_threads=io_threads,
                                             generation=load_generation))
 
 
-#: The ``storage_options`` keys a save honours, with the type each value must have. They override
+#: The ``storage_options`` keys a save honours, with the types their values may have. They override
 #: the plugin's options for that one save.
-STORAGE_OPTION_TYPES: dict[str, type] = {
-    "async_save": bool, "allow_pickle": bool, "verify_replicas": bool, "io_threads": int, "incremental": bool,
+STORAGE_OPTION_TYPES: dict[str, tuple[type, ...]] = {
+    "async_save": (bool,), "allow_pickle": (bool,), "verify_replicas": (bool,), "io_threads": (int,),
+    "incremental": (bool,), "overlap": (bool,), "compression": (str, bool, bcp.Compression),
 }
+_EXPECTED = {(bool,): "a bool", (int,): "a positive int", (str, bool, bcp.Compression): "a codec name ('zstd'), a bool "
+             "or a bcp.Compression"}
 
 
 def for_save(options: bcp.SaveOptions, storage_options: Any | None, path: str) -> bcp.SaveOptions:
@@ -64,8 +73,7 @@ def for_save(options: bcp.SaveOptions, storage_options: Any | None, path: str) -
                 f"storage_options key {key!r} is not understood; bcp_lightning honours "
                 f"{sorted(STORAGE_OPTION_TYPES)}", path=path, key=str(key))
         # bool is an int: io_threads=True is refused as well.
-        if type(value) is not expected or (expected is int and value < 1):
-            raise bcp.CheckpointError(
-                f"storage_options[{key!r}] must be {'a positive int' if expected is int else 'a bool'}, "
-                f"got {value!r}", path=path, key=key)
+        if type(value) not in expected or (expected == (int,) and value < 1):
+            raise bcp.CheckpointError(f"storage_options[{key!r}] must be {_EXPECTED[expected]}, got {value!r}",
+                                      path=path, key=key)
     return options.merged(storage_options)

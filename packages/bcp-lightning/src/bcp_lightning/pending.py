@@ -29,6 +29,12 @@ class PendingSave:
     def done(self) -> bool:
         return self._returned.is_set() and (self._handle is None or self._handle.done())
 
+    def wait_snapshot(self) -> None:
+        """Block until the save's copy of the state is complete (``bcp.SaveHandle.wait_snapshot``)."""
+        self._returned.wait()
+        if self._handle is not None:
+            self._handle.wait_snapshot()
+
     def wait(self) -> None:
         """Block until committed; raise if the background part of the save failed."""
         self._returned.wait()
@@ -84,6 +90,13 @@ class PendingSaves:
             with self._lock:
                 for p, save in saves:
                     self._forget(p, save)
+
+    def wait_snapshots(self) -> None:
+        """Block until every pending save's copy of the state is complete."""
+        with self._lock:
+            saves = [save for saves in self._by_path.values() for save in saves]
+        for save in saves:
+            save.wait_snapshot()
 
     def _forget(self, path: str, save: PendingSave) -> None:
         saves = self._by_path.get(path, [])

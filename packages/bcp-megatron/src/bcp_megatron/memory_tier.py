@@ -44,7 +44,8 @@ COMMON = "megatron_common"
 def save_to_tier(sharded_state_dict: dict, tier: "bcp.MemoryTier", *, async_save: bool = False,
                  allow_pickle: bool = False, io_threads: int = DEFAULT_IO_THREADS,
                  coordinator: Coordinator | None = None, validate_access_integrity: bool = True,
-                 step: int | None = None, incremental: bool = False) -> AsyncRequest | None:
+                 step: int | None = None, incremental: bool = False,
+                 compression: "bcp.Compression | str | bool | None" = None) -> AsyncRequest | None:
     """``dist_checkpointing.save(sharded_state_dict, ...)`` into ``tier``; every rank calls it.
     With ``async_save`` returns Megatron's ``AsyncRequest`` once this rank's tensors are staged in
     host memory (schedule it as Megatron-LM does; its finalize step raises the save's error).
@@ -52,13 +53,13 @@ def save_to_tier(sharded_state_dict: dict, tier: "bcp.MemoryTier", *, async_save
     are pickled, and loading them needs it too. ``step``, recorded with the generation, defaults
     to the state's ``iteration`` (where Megatron-LM keeps its training iteration). ``incremental``:
     only the tensors that changed since the tier's previous generation are written
-    (``docs/incremental.md``)."""
+    (``docs/incremental.md``). ``compression``: as for ``BcpSaveShardedStrategy``."""
     _check_tier(tier)
     sharded_part, common = save_preprocess(sharded_state_dict, validate_access_integrity)
     if step is None:
         step = _iteration(common)
     options = bcp.SaveOptions(allow_pickle=allow_pickle, io_threads=io_threads, coordinator=coordinator, step=step,
-                              incremental=incremental)
+                              incremental=incremental, compression=compression)
     extra = {COMMON: common} if as_coordinator(coordinator).rank == 0 else {}
     handle = BcpSaver(options).save(sharded_part, tier, async_save=async_save, extra=extra)
     return completion_request(handle) if async_save else None

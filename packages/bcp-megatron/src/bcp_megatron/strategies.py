@@ -44,17 +44,19 @@ class BcpSaveShardedStrategy(AsyncSaveShardedStrategy):
     generations of the sharded state kept when the same ``checkpoint_dir`` is saved again (each a
     full copy on disk; Megatron-LM saves every iteration to a folder of its own, where it changes
     nothing). ``incremental``: a folder saved again gets only the tensors that changed written
-    (``docs/incremental.md``). Megatron-Core writes ``common.pt`` and ``metadata.json`` itself, the
+    (``docs/incremental.md``). ``compression``: ``"zstd"`` (or ``True``) compresses the tensors' bytes
+    losslessly (``bcp.SaveOptions.compression``); loads read either kind. Megatron-Core writes ``common.pt`` and ``metadata.json`` itself, the
     newest save's only.
     """
 
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, allow_pickle: bool = False,
                  io_threads: int = DEFAULT_IO_THREADS, coordinator: Coordinator | None = None,
-                 keep_generations: int = DEFAULT_KEEP_GENERATIONS, incremental: bool = False) -> None:
+                 keep_generations: int = DEFAULT_KEEP_GENERATIONS, incremental: bool = False,
+                 compression: "bcp.Compression | str | bool | None" = None) -> None:
         super().__init__(backend, version)
         self.saver = BcpSaver(bcp.SaveOptions(allow_pickle=allow_pickle, io_threads=io_threads,
                                               coordinator=coordinator, keep_generations=keep_generations,
-                                              incremental=incremental))
+                                              incremental=incremental, compression=compression))
 
     @property
     def can_handle_sharded_objects(self) -> bool:

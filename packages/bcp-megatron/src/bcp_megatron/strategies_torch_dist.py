@@ -46,11 +46,12 @@ class BcpSaveShardedStrategy(TorchDistSaveShardedStrategy):
 
     def __init__(self, backend: str = BACKEND, version: int = VERSION, *, allow_pickle: bool = False,
                  io_threads: int = DEFAULT_IO_THREADS, coordinator: Coordinator | None = None,
-                 keep_generations: int = DEFAULT_KEEP_GENERATIONS, incremental: bool = False) -> None:
+                 keep_generations: int = DEFAULT_KEEP_GENERATIONS, incremental: bool = False,
+                 compression: "bcp.Compression | str | bool | None" = None) -> None:
         super().__init__(backend, version)
         self.saver = BcpSaver(bcp.SaveOptions(allow_pickle=allow_pickle, io_threads=io_threads,
                                               coordinator=coordinator, keep_generations=keep_generations,
-                                              incremental=incremental))
+                                              incremental=incremental, compression=compression))
 
     def can_handle_sharded_objects(self) -> bool:
         return True

@@ -85,8 +85,9 @@ def save_model(original: Callable[..., Any], trainer: Trainer, output_dir: str |
     options = options_of(trainer)
     if options.save_model_files:
         original(trainer, output_dir, _internal_call)
-    handle = bcp.save(output_dir, state_to_save(trainer), async_save=options.async_save,
-                      step=trainer.state.global_step, topology={"dp": trainer.args.process_index})
+    handle = bcp.save(output_dir, state_to_save(trainer), async_save=options.async_save, overlap=options.overlap,
+                      compression=options.compression, step=trainer.state.global_step,
+                      topology={"dp": trainer.args.process_index})
     setattr(trainer, _PENDING, handle)
     # save_total_limit=1 rotates the previous folder away right after this returns: it must not go
     # before this one has committed.

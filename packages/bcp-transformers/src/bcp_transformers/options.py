@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from transformers import Trainer
 
+from bcp import Compression
+
 _OPTIONS = "_bcp_checkpoint_options"
 
 
@@ -16,6 +18,13 @@ class CheckpointOptions:
     #: The training loop continues once the state is copied to host memory; the save commits in the
     #: background, and the next save, or the end of ``train``, waits for it.
     async_save: bool = False
+    #: With ``async_save``: the save returns before the parameters and optimizer state are copied to
+    #: host memory; the copy overlaps the next step's forward and backward, and the optimizer waits
+    #: for it before it steps (``bcp.SaveOptions.overlap``).
+    overlap: bool = False
+    #: ``"zstd"`` (or ``True``): the tensors' bytes compressed losslessly on the writer threads
+    #: (``bcp.SaveOptions.compression``); resumes read either kind.
+    compression: "Compression | str | bool | None" = None
     #: Also write the Trainer's own model files (``config.json``, ``model.safetensors``) into each
     #: folder, for ``from_pretrained`` without ``bcp export``: a second, synchronous write of the model.
     save_model_files: bool = False

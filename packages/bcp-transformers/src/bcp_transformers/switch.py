@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from transformers import Trainer
 
-from bcp import integration
+from bcp import Compression, integration
 from bcp_transformers import transformers_patch
 from bcp_transformers.options import CheckpointOptions, set_options
 
@@ -32,12 +32,14 @@ def requested_engine() -> str | None:
     return integration.requested_engine(ENGINE_VARIABLE, ENGINES)
 
 
-def enable(trainer: Trainer, *, async_save: bool = False, save_model_files: bool = False) -> Trainer:
+def enable(trainer: Trainer, *, async_save: bool = False, save_model_files: bool = False,
+           overlap: bool = False, compression: "Compression | str | bool | None" = None) -> Trainer:
     """Route this trainer's checkpoint saves and resumes through bcp; returns it. The keywords are
     :class:`CheckpointOptions`'."""
     if not isinstance(trainer, Trainer):
         raise TypeError(f"enable() takes a transformers.Trainer, got {type(trainer).__name__}")
-    set_options(trainer, CheckpointOptions(async_save=async_save, save_model_files=save_model_files))
+    set_options(trainer, CheckpointOptions(async_save=async_save, save_model_files=save_model_files, overlap=overlap,
+                                           compression=compression))
     install()
     setattr(trainer, _OPTED_IN, True)
     return trainer

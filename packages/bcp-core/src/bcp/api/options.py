@@ -79,6 +79,11 @@ class SaveOptions(_CommonOptions):
     optimizers wait for it before they step (code that writes them otherwise calls
     ``handle.wait_snapshot()`` first). The snapshot is still the state at the call
     (``docs/guarantees.md``)."""
+    overlap_optimizers: tuple[Any, ...] = ()
+    """With ``overlap``: optimizers that step tensors of the state although the state holds their
+    state as a dict (parameters named as the integrations name them), not the optimizer objects; they
+    wait for the copy before they step, as the state's own optimizers do. Without them the tensors of
+    such a dict are copied at the call."""
     verify_replicas: bool = False
     """Check, by checksum, that replicated tensors agree across ranks."""
     keep_generations: int = DEFAULT_KEEP_GENERATIONS

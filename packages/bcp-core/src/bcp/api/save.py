@@ -238,7 +238,8 @@ class _Stepped:
 
     @staticmethod
     def of(optimizers: list[Any]) -> "_Stepped":
-        torch_optimizers = [o for o in optimizers if isinstance(o, torch.optim.Optimizer)]
+        # By identity: an optimizer both in the state and among ``overlap_optimizers`` waits once.
+        torch_optimizers = list({id(o): o for o in optimizers if isinstance(o, torch.optim.Optimizer)}.values())
         parameters = [p for o in torch_optimizers for group in o.param_groups for p in group["params"]]
         state = [t for o in torch_optimizers for values in o.state.values() for t in values.values()
                  if isinstance(t, torch.Tensor)]
@@ -408,8 +409,8 @@ def _collected(state: Mapping[str, Any], options: SaveOptions) -> tuple[Collecte
     frozen = FrozenParameters.of(bound.obj for _, parts in collected.modules for bound in parts
                                  if isinstance(bound.obj, nn.Module)) if options.incremental and options.trust_frozen \
         else None
-    stepped = _Stepped.of([bound.obj for _, parts in collected.optimizers for bound in parts]) if options.overlap \
-        else None
+    stepped = _Stepped.of([bound.obj for _, parts in collected.optimizers for bound in parts]
+                          + list(options.overlap_optimizers)) if options.overlap else None
     return Collected(tensors, planned, values, plain, options.verify_replicas, structure_key(declared, pieces),
                      collected.framework, loader.declaration() if isinstance(loader, DataloaderState) else None,
                      frozen), stepped

@@ -5,7 +5,9 @@ backward run, and whatever writes those tensors waits for it first.
 The copy goes into the save's staging buffer (``staging.place`` laid it out), through the same
 copies as staging at the call (``staging.copy_in``: host tensors by the thread, device tensors on
 bcp's copy stream, ordered after the work queued when the save was called). Every optimizer of the
-state waits for it in a step pre-hook; the process's next save and load, and
+state waits for it in a step pre-hook; where the step is given a closure (the forward and backward,
+run by the step itself, as in Lightning's automatic optimization), a torch optimizer waits after the
+closure instead, before its update; the process's next save and load, and
 ``SaveHandle.wait_snapshot()``, wait for every pending copy (:class:`PendingSnapshots`).
 
 A hook cannot leave the optimizer's hook table while the optimizer walks it (torch raises on a
@@ -61,8 +63,25 @@ class SnapshotCopy:
         for hook in hooks:
             hook.remove()
 
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._done.wait()
+    def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        # torch hands a pre-hook the step's own arguments, the optimizer first.
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if self._done.is_set():
+            return None
+        if not callable(closure) or not _evaluates_closure_first(optimizer):
+            self._done.wait()
+            return None
+
+        # The step runs the forward and backward itself (Lightning's automatic optimization does):
+        # waiting after them, before the update, lets them overlap the copy too.
+        def closure_then_wait() -> Any:
+            loss = closure()
+            self._done.wait()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_wait}
+        return (args[0], closure_then_wait, *args[2:]), kwargs
 
     def _run(self, job: list[Any]) -> None:
         pairs, copies = job
@@ -76,6 +95,14 @@ class SnapshotCopy:
         finally:
             del pairs, copies
             self._done.set()
+
+
+def _evaluates_closure_first(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step(closure)`` calls the closure before it writes a parameter or its
+    state: torch's own optimizers do (LBFGS too, and calls it again later). Others may not (a
+    sharpness-aware optimizer moves the parameters, then calls it), so they wait before the step."""
+    module = type(optimizer).__module__
+    return module == "torch.optim" or module.startswith("torch.optim.")
 
 
 class PendingSnapshots:
