@@ -5,20 +5,22 @@ they need."""
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import crc32c
 import numpy as np
 import pytest
 import torch
+import zstandard
 
 import bcp
 import bcp.tools
 from bcp.integration import reset_runtime
-from bcp.chunk_codecs import (RAW, ZSTD, ZSTD_PLANES, ChunkDecodeError, Compression, compress_chunk, decompress_chunk,
-                              join_planes, split_planes)
+from bcp.chunk_codecs import (RAW, ZSTD, ZSTD_EXPONENT_PLANES, ZSTD_PLANES, ChunkDecodeError, Compression, codec_for,
+                              compress_chunk, decompress_chunk, join_planes, split_planes)
 from bcp.errors import CorruptCheckpointError
 from bcp.layout.box import Box
-from bcp.layout.dtypes import plane_width
+from bcp.layout.dtypes import exponent_bits, plane_width
 from bcp.layout.manifest import Manifest, TensorEntry
 from bcp.layout.shard_table import ByteRange, ShardEntry, StoredChunks
 from bcp.storage import LocalStorage
@@ -26,6 +28,7 @@ from models import rank, read_manifest
 from test_read_batching import flip_byte
 
 CHUNK = 1 << 20
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 
 
 def _trained_like(dtype: torch.dtype, n: int) -> torch.Tensor:
@@ -59,6 +62,83 @@ def test_a_floating_point_chunk_is_coded_in_byte_planes_smaller_and_decodes_bitw
     out = bytearray(raw.nbytes)
     decompress_chunk(stored, codec, width, memoryview(out))
     assert bytes(out) == raw.tobytes()
+
+
+def _round_trip(raw: memoryview, codec: int, width: int) -> tuple[int, bytes]:
+    coded, stored = compress_chunk(raw, codec, width, 1)
+    out = bytearray(raw.nbytes)
+    decompress_chunk(stored, coded, width, memoryview(out))
+    return coded, bytes(out)
+
+
+def _special_values(dtype: torch.dtype) -> torch.Tensor:
+    tiny = torch.finfo(dtype).tiny
+    values = torch.tensor([0.0, -0.0, 1.0, -2.0, float("inf"), float("-inf"), float("nan"), tiny, -tiny,
+                           tiny / 4, -tiny / 1024, torch.finfo(dtype).max, torch.finfo(dtype).min], dtype=dtype)
+    return torch.cat([values, _trained_like(dtype, 4000)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exponent_planes_round_trip_special_values_and_random_bytes_bitwise(dtype):
+    width = plane_width(dtype)
+    special = _bytes_of(_special_values(dtype))
+    negative_nan = torch.tensor([float("nan")], dtype=dtype).neg()
+    assert _round_trip(special, ZSTD_EXPONENT_PLANES, width) == (ZSTD_EXPONENT_PLANES, special.tobytes())
+    for raw in (_bytes_of(negative_nan.repeat(1000)),
+                memoryview(np.random.default_rng(7).integers(0, 256, 3000 * width, dtype=np.uint8)),
+                memoryview(np.random.default_rng(8).integers(0, 2, 3000 * width, dtype=np.uint8) * 255)):
+        codec, out = _round_trip(raw, ZSTD_EXPONENT_PLANES, width)
+        assert codec in (RAW, ZSTD_EXPONENT_PLANES) and out == raw.tobytes()
+
+
+def test_exponent_planes_put_the_whole_exponent_in_the_top_plane():
+    # the format's definition: each element rotated left one bit, then byte planes (docs/format.md)
+    raw = _bytes_of(torch.tensor([1.0, -2.0, -0.0] * 200, dtype=torch.bfloat16))  # 0x3f80, 0xc000, 0x8000
+    codec, stored = compress_chunk(raw, ZSTD_EXPONENT_PLANES, 2, 1)
+    planes = np.frombuffer(zstandard.ZstdDecompressor().decompress(stored), dtype=np.uint8).reshape(2, -1)
+    assert codec == ZSTD_EXPONENT_PLANES
+    assert planes[1, :3].tolist() == [127, 128, 0] and planes[0, :3].tolist() == [0x00, 0x01, 0x01]
+
+
+def test_exponent_planes_refuse_what_they_cannot_have_written():
+    raw = _bytes_of(_trained_like(torch.float32, 4096))
+    codec, stored = compress_chunk(raw, ZSTD_EXPONENT_PLANES, 4, 1)
+    assert codec == ZSTD_EXPONENT_PLANES
+    with pytest.raises(ChunkDecodeError, match="width 3"):
+        decompress_chunk(stored, codec, 3, memoryview(bytearray(raw.nbytes)))
+    with pytest.raises(ChunkDecodeError, match="cannot make"):  # not whole elements
+        decompress_chunk(stored, codec, 4, memoryview(bytearray(raw.nbytes - 2)))
+    with pytest.raises(ChunkDecodeError):  # a frame that makes more than the chunk holds
+        decompress_chunk(stored, codec, 4, memoryview(bytearray(raw.nbytes - 4)))
+    with pytest.raises(ChunkDecodeError):  # truncated
+        decompress_chunk(stored[:-5], codec, 4, memoryview(bytearray(raw.nbytes)))
+
+
+def test_an_exponent_planes_chunk_that_is_not_whole_elements_falls_back_to_whole_bytes():
+    raw = _bytes_of(_trained_like(torch.float32, 1000))[:3999]
+    assert _round_trip(raw, ZSTD_EXPONENT_PLANES, 4) == (ZSTD, raw.tobytes())
+
+
+def test_the_writer_codes_8_bit_exponents_in_exponent_planes_and_others_in_byte_planes():
+    chosen = {d: codec_for(plane_width(d), exponent_bits(d)) for d in (torch.bfloat16, torch.float32, torch.complex64,
+                                                                        torch.float16, torch.float64, torch.int32)}
+    assert chosen == {torch.bfloat16: ZSTD_EXPONENT_PLANES, torch.float32: ZSTD_EXPONENT_PLANES,
+                      torch.complex64: ZSTD_EXPONENT_PLANES, torch.float16: ZSTD_PLANES, torch.float64: ZSTD_PLANES,
+                      torch.int32: ZSTD}
+
+
+def test_exponent_planes_beat_byte_planes_on_bf16_weights():
+    raw = _bytes_of(_trained_like(torch.bfloat16, CHUNK // 2))
+    _, planes = compress_chunk(raw, ZSTD_PLANES, 2, 1)
+    _, exponent = compress_chunk(raw, ZSTD_EXPONENT_PLANES, 2, 1)
+    assert exponent.nbytes < planes.nbytes
+
+
+def test_the_format_4_fixture_keeps_chunks_in_byte_planes():
+    # written before exponent planes existed: it keeps codec 2 (byte planes) read and tested
+    manifest = read_manifest(FIXTURES / "format-v4")
+    codecs = {c for e in manifest.tensors.values() for s in e.shards if s.bytes.stored for c in s.bytes.stored.codecs}
+    assert ZSTD_PLANES in codecs
 
 
 def test_byte_planes_beat_whole_bytes_on_bf16_weights():
@@ -238,7 +318,8 @@ def test_every_dtype_round_trips_bitwise_compressed(tmp_path):
     assert manifest.version == 4 and manifest.compression == Compression("zstd", 1)
     codecs = {name: {c for s in e.shards for c in (s.bytes.stored.codecs if s.bytes.stored else (RAW,))}
               for name, e in manifest.tensors.items()}
-    assert codecs["bfloat16"] == codecs["float32"] == {ZSTD_PLANES} and codecs["int64"] == {ZSTD}
+    assert codecs["bfloat16"] == codecs["float32"] == codecs["complex64"] == {ZSTD_EXPONENT_PLANES}
+    assert codecs["float16"] == codecs["float64"] == {ZSTD_PLANES} and codecs["int64"] == {ZSTD}
     assert codecs["small"] == codecs["scalar"] == {RAW} and codecs["empty"] <= {RAW}  # too small to shrink
     live = {name: torch.zeros_like(t) for name, t in state.items()}
     bcp.load(tmp_path, live, metrics_log=False)
@@ -254,7 +335,7 @@ def test_incompressible_chunks_are_stored_raw_and_the_file_holds_the_stored_byte
     noise = manifest.tensors["noise"].shards[0].bytes
     assert noise.stored is None  # every chunk raw: read as an uncompressed shard
     weights = manifest.tensors["w"].shards[0].bytes
-    assert set(weights.stored.codecs) == {ZSTD_PLANES} and weights.nbytes / weights.stored_nbytes > 1.3
+    assert set(weights.stored.codecs) == {ZSTD_EXPONENT_PLANES} and weights.nbytes / weights.stored_nbytes > 1.3
     stored = sum(s.bytes.stored_nbytes for e in manifest.tensors.values() for s in e.shards)
     data = tmp_path / f"gen-{manifest.generation:08d}" / manifest.files[0]
     assert data.stat().st_size == stored  # values aside, which this state has none of
@@ -276,7 +357,7 @@ def test_an_asynchronous_save_compresses_in_the_writer_process_or_threads(tmp_pa
     bcp.save(tmp_path, state, compression="zstd", async_save=True, async_writer=writer, metrics_log=False).wait()
     reset_runtime()  # its staging buffers go: tests after this one count the buffers they make
     manifest = read_manifest(tmp_path)
-    assert manifest.version == 4 and set(manifest.tensors["w"].shards[0].bytes.stored.codecs) == {ZSTD_PLANES}
+    assert manifest.version == 4 and set(manifest.tensors["w"].shards[0].bytes.stored.codecs) == {ZSTD_EXPONENT_PLANES}
     live = {name: torch.zeros_like(t) for name, t in state.items()}
     bcp.load(tmp_path, live, metrics_log=False)
     assert all(torch.equal(live[n], state[n]) for n in state)

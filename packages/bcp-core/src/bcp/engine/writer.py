@@ -43,7 +43,7 @@ from bcp.engine import writer_process
 from bcp.errors import CheckpointError, SaveAbandonedError, StorageError
 from bcp.storage.base import streamed_from
 from bcp.storage.local import DIRECT_ALIGN, DIRECT_MIN_BYTES
-from bcp.layout.dtypes import plane_width
+from bcp.layout.dtypes import exponent_bits, plane_width
 from bcp.layout.manifest import DEFAULT_CHECKSUM_CHUNK, Manifest
 from bcp.layout.shard_table import StoredChunks
 from bcp.layout.write_plan import PieceWrite, ValueWrite
@@ -184,8 +184,10 @@ class GenerationWriter:
         if self.compression is None:
             return RAW, 1
         dtype = piece.dtype if piece.dtype is not None or callable(piece.data) else piece.data.dtype
-        width = plane_width(dtype) if dtype is not None else 1
-        return codec_for(width), width
+        if dtype is None:
+            return codec_for(1), 1
+        width = plane_width(dtype)
+        return codec_for(width, exponent_bits(dtype)), width
 
     def _known_crcs(self, item: _Item) -> list[int] | None:
         """The item's chunk checksums where the save computed them already (at this chunk size)."""

@@ -27,6 +27,16 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def exponent_bits(dtype: torch.dtype) -> int:
+    """Exponent bits of a floating-point or complex dtype's real elements (0: an integer or bool
+    dtype, or a float8 dtype, whose chunks are not coded in planes)."""
+    return _EXPONENT_BITS.get(dtype, 0)
+
+
+_EXPONENT_BITS = {torch.float16: 5, torch.bfloat16: 8, torch.float32: 8, torch.float64: 11, torch.complex64: 8,
+                  torch.complex128: 11}
+
+
 def plane_width(dtype: torch.dtype) -> int:
     """Bytes per real element of a floating-point or complex dtype (the byte planes a compressed
     chunk of it is coded in, ``chunk_codecs.ZSTD_PLANES``), else 1."""
