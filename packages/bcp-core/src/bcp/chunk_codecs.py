@@ -89,8 +89,9 @@ class ChunkDecodeError(ValueError):
 
 
 def compress_chunk(raw: memoryview, codec: int, width: int, level: int) -> tuple[int, memoryview]:
-    """``(codec id, stored bytes)`` of one chunk: coded with ``codec`` (``ZSTD_PLANES``: in planes
-    of ``width`` bytes), or ``(RAW, raw)`` where that is not smaller."""
+    """``(codec id, stored bytes)`` of one chunk: coded with ``codec`` (``ZSTD_PLANES``,
+    ``ZSTD_EXPONENT_PLANES``: in planes of ``width`` bytes), or ``(RAW, raw)`` where that is not
+    smaller."""
     if codec == RAW or raw.nbytes == 0:
         return RAW, raw
     if codec in _PLANAR and (width not in _UNSIGNED or raw.nbytes % width):
