@@ -3,7 +3,8 @@ weights of an MLP trained in the run, and its mixed-precision training checkpoin
 side by side: every codec considered, alone on the state's 1 MiB chunks (``codecs.py``); then whole
 checkpoints on the local disk: bcp uncompressed, bcp compressed, DCP, and DCP with its zstd stream
 extension (saves fsync'd, loads cold, each checked bit for bit once); then bcp uncompressed and
-compressed on S3 (a SeaweedFS server on 127.0.0.1, started here as the tests start it). Interleaved
+compressed on S3 (a SeaweedFS server on 127.0.0.1, started here as the tests start it), reached
+directly and through an emulated network link that paces bytes (``paced_link.py``). Interleaved
 repetitions, medians; "MB/s per core" is the state's raw bytes over this process's CPU seconds."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import bcp
 import torch
 
 from bcpbench import codecs, disk
+from bcpbench.paced_link import PacedLink
 from bcpbench.methods import Bcp, Dcp
 from bcpbench.record import Record, rotated
 from bcpbench.rounds import assert_equal, slug
@@ -30,6 +32,10 @@ CODEC = "zstd"  # what bcp.save(..., compression=...) is given
 BCP, BCP_COMPRESSED = "bcp", f"bcp, compression={CODEC!r}"
 DCP, DCP_ZSTD = "DCP", "DCP, zstd extension"
 LOCAL, S3 = "local disk", "S3 (SeaweedFS)"
+# An emulated network link to the same server (``paced_link.py``): 250 MB/s each way, 2 Gbit/s, a
+# process's share of a node's NIC; on loopback, bytes cost nothing and compression cannot pay.
+LINK_MB_S = 250
+PACED = f"S3 (SeaweedFS) through a {LINK_MB_S} MB/s emulated link"
 TRAINING, CODECS, STORED, CPU = ("compression: training", "compression: codecs", "compression: stored bytes",
                                  "compression: CPU seconds")
 TESTS = os.path.join(os.path.dirname(__file__), "..", "..", "tests")  # the SeaweedFS launcher
@@ -112,15 +118,14 @@ class LocalDisk:
 class SeaweedFs:
     """Checkpoints under prefixes of the server's bucket; cold loads read its files evicted."""
 
-    where = S3
-
-    def __init__(self, server: Any, bucket: str) -> None:
+    def __init__(self, server: Any, bucket: str, link: PacedLink | None = None) -> None:
         self.server, self.base = server, f"s3://{bucket}/bench-{uuid.uuid4().hex[:6]}"
+        self.where, self.endpoint = (S3, None) if link is None else (PACED, link.endpoint)
 
     def target(self, name: str) -> Any:
         from bcp.storage import S3Storage
 
-        return S3Storage(f"{self.base}/{name}", **self.server.options())
+        return S3Storage(f"{self.base}/{name}", **self.server.options(self.endpoint))
 
     def before_load(self, target: Any) -> None:
         disk.evict(self.server.directory)
@@ -169,10 +174,13 @@ def _on_s3(record: Record, states: dict[str, dict[str, torch.Tensor]], savers: l
 
     with tempfile.TemporaryDirectory(prefix="bcp-bench-seaweedfs-", dir=workdir) as directory:
         server = seaweedfs.start(directory)
+        link = PacedLink(server.endpoint, LINK_MB_S)
         try:
             for label, state in states.items():
                 _rounds(record, label, SeaweedFs(server, seaweedfs.BUCKET), savers, state, reps)
+                _rounds(record, label, SeaweedFs(server, seaweedfs.BUCKET, link), savers, state, reps)
         finally:
+            link.close()
             seaweedfs.stop(server)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from bcpbench.compression import BCP, CODECS, CPU, LOCAL, S3, TRAINING, case, compressed_ratio
+from bcpbench.compression import BCP, CODECS, CPU, LOCAL, PACED, S3, TRAINING, case, compressed_ratio
 from bcpbench.record import Record
 from bcpbench.targets import ratio
 from bcpbench.trained import BF16, MIXED, PARTS
@@ -87,18 +87,20 @@ def _codec_ratio(raw: int, stored: int, differ: int) -> str:
 def _s3(record: Record) -> list[str]:
     lines = []
     for label in (BF16, MIXED):
-        save_case = case(label, "save", S3)
-        raw = record.nbytes.get(save_case)
-        if not raw:
-            continue
-        lines += [f"### {label} on S3 (SeaweedFS on 127.0.0.1), {raw / MB:.0f} MB", "",
-                  "| method | save s | load s | save MB/s per core | load MB/s per core | save vs bcp | load vs bcp |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
-        lines += [f"| {method} | " + _timings(record, label, S3, method) for method in record.samples[save_case]]
-        lines.append("")
+        for where, title in ((S3, "on S3 (SeaweedFS on 127.0.0.1)"), (PACED, f"on {PACED}")):
+            save_case = case(label, "save", where)
+            raw = record.nbytes.get(save_case)
+            if not raw:
+                continue
+            lines += [f"### {label} {title}, {raw / MB:.0f} MB", "",
+                      "| method | save s | load s | save MB/s per core | load MB/s per core | save vs bcp | load vs bcp |",
+                      "| --- | --- | --- | --- | --- | --- | --- |"]
+            lines += [f"| {method} | " + _timings(record, label, where, method) for method in record.samples[save_case]]
+            lines.append("")
     if lines:
         lines += [("The server runs on the same machine: its CPU time is not in `MB/s per core` (this "
-                   "process's only), and it competes for the cores with the client's compression."), ""]
+                   "process's only), and it competes for the cores with the client's compression. The emulated "
+                   "link is a TCP proxy in this process that paces the bytes each way (no latency, no loss)."), ""]
     return lines
 
 

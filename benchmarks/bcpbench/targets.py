@@ -153,6 +153,7 @@ def compression_checks(record: Record) -> list[Check]:
            for label, goal in ((z.BF16, 1.4), (z.MIXED, 1.25))]
     for label in (z.BF16, z.MIXED):
         for what in ("save", "cold load"):
-            out.append(Check(f"S3 {what} time, bcp uncompressed / compressed", z.case(label, what, z.S3),
-                             z.time_ratio(record, label, what, z.S3), 1.0, True))
+            for where in (z.S3, z.PACED):
+                out.append(Check(f"S3 {what} time, bcp uncompressed / compressed", z.case(label, what, where),
+                                 z.time_ratio(record, label, what, where), 1.0, True))
     return out

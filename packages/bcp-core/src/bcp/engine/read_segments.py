@@ -39,6 +39,11 @@ from bcp.layout.read_op import ReadOp
 # it is read, mostly from the last-level cache; reading and verifying one chunk at a time was
 # measured no faster (105 MiB L3) and a little slower without verification.
 READ_PART_BYTES = 64 << 20
+# Parts and batches of compressed chunks, in raw and in stored bytes: one batch is decoded on one
+# thread, so batches of READ_PART_BYTES left the chunks of a state of a few files decoded on one or
+# two of the reader's threads while the others waited (a 48 MB state in one file: one batch, every
+# chunk decoded on one thread). An object store's GET is about this size (S3Storage's part) anyway.
+CODED_PART_BYTES = 16 << 20
 # Parts of a read through scratch memory (whole chunks, trimmed to those holding wanted bytes), so
 # each worker's scratch stays small and the wanted elements are copied out while still in cache.
 SCRATCH_PART_BYTES = 4 << 20
@@ -182,7 +187,7 @@ class SegmentPlanner:
 
         through_scratch = [(run.low, run.high)]
         if direct_low < direct_high:
-            step = _multiple(READ_PART_BYTES, align)
+            step = _multiple(CODED_PART_BYTES if coded else READ_PART_BYTES, align)
             for at in range(direct_low, direct_high, step):
                 part_end = min(at + step, direct_high)
                 segments.append(part(at, part_end, run.dests_for(at, part_end), None))
@@ -234,12 +239,14 @@ class SegmentPlanner:
 
 def batches_of(segments: list[Segment]) -> list[list[Segment]]:
     """Segments in file order; those back to back in one file grouped, up to ``READ_PART_BYTES``
-    and ``BATCH_SEGMENTS`` per group, into one vectored read each."""
+    (``CODED_PART_BYTES`` of compressed chunks) and ``BATCH_SEGMENTS`` per group, into one vectored
+    read each."""
     batches: list[list[Segment]] = []
     end, size = None, 0
     for segment in sorted(segments, key=lambda s: s.position):
         file, offset = segment.position
-        if (file, offset) == end and size + segment.nbytes <= READ_PART_BYTES and len(batches[-1]) < BATCH_SEGMENTS:
+        limit = READ_PART_BYTES if segment.coded is None else CODED_PART_BYTES
+        if (file, offset) == end and size + segment.nbytes <= limit and len(batches[-1]) < BATCH_SEGMENTS:
             batches[-1].append(segment)
             size += segment.nbytes
         else:
