@@ -158,14 +158,17 @@ class SegmentPlanner:
             segments += self._run_segments(run)
         return segments
 
-    def _coded(self, where: ByteRange, low: int, high: int, width: int, dests: list[memoryview] | None,
-               place: Callable[[torch.Tensor], None] | None, progress: Progress) -> Segment:
-        """The segment of the compressed chunks holding raw bytes ``[low, high)`` (chunk-aligned, the
-        end possibly the range's): their stored bytes, decoded into ``dests`` or for ``place``."""
+    def _segment(self, where: ByteRange, low: int, high: int, dtype: torch.dtype, dests: list[memoryview] | None,
+                 place: Callable[[torch.Tensor], None] | None, progress: Progress) -> Segment:
+        """The segment of raw bytes ``[low, high)`` of ``where``, read into ``dests`` or for ``place``:
+        those bytes as stored or, where the range's chunks are compressed, the stored bytes of the
+        chunks holding them (``low`` chunk-aligned, ``high`` too or the range's end), decoded."""
+        if where.stored is None:
+            return Segment(where, low, high - low, dests, place, progress)
         first, end = low // self.chunk, -(-high // self.chunk)
         starts = where.stored.starts()
         return Segment(where, starts[first], starts[end] - starts[first], None, place, progress,
-                       Coded(first, end, low, high - low, width, dests))
+                       Coded(first, end, low, high - low, plane_width(dtype), dests))
 
     def _run_segments(self, run: Run) -> list[Segment]:
         """A run in parts straight into its destinations. When verifying, a direct part starts and
@@ -180,17 +183,12 @@ class SegmentPlanner:
         direct_high = run.high if run.high == where.nbytes else run.high // align * align
         progress = Progress(run.ops, 0)
         segments: list[Segment] = []
-
-        def part(at: int, end: int, dests: list[memoryview] | None, place: Callable[[torch.Tensor], None] | None) -> Segment:
-            return (self._coded(where, at, end, plane_width(dtype), dests, place, progress) if coded else
-                    Segment(where, at, end - at, dests, place, progress))
-
         through_scratch = [(run.low, run.high)]
         if direct_low < direct_high:
             step = _multiple(CODED_PART_BYTES if coded else READ_PART_BYTES, align)
             for at in range(direct_low, direct_high, step):
                 part_end = min(at + step, direct_high)
-                segments.append(part(at, part_end, run.dests_for(at, part_end), None))
+                segments.append(self._segment(where, at, part_end, dtype, run.dests_for(at, part_end), None, progress))
             through_scratch = [(run.low, direct_low), (direct_high, run.high)]
         step = _multiple(SCRATCH_PART_BYTES, align)
         for low, high in through_scratch:
@@ -201,7 +199,7 @@ class SegmentPlanner:
                 part_end = min(at + step, end)
                 wanted_low, wanted_high = max(at, low), min(part_end, high)
                 place = partial(_copy_bytes, run.dests_for(wanted_low, wanted_high), wanted_low - at)
-                segments.append(part(at, part_end, None, place))
+                segments.append(self._segment(where, at, part_end, dtype, None, place, progress))
         progress.left = len(segments)
         return segments
 
@@ -225,9 +223,7 @@ class SegmentPlanner:
                 low, high = _widened(min(lo for lo, _ in spans) * itemsize, max(hi for _, hi in spans) * itemsize,
                                      align, part_end)
                 place = partial(_copy_out, op.piece, shard.box, boxes, low // itemsize)
-                segments.append(self._coded(shard.bytes, low, high, plane_width(op.piece.tensor.dtype), None, place,
-                                            progress) if coded else
-                                Segment(shard.bytes, low, high - low, None, place, progress))
+                segments.append(self._segment(shard.bytes, low, high, op.piece.tensor.dtype, None, place, progress))
         progress.left = len(segments)
         return segments
 
