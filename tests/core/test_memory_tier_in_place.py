@@ -192,3 +192,20 @@ def test_a_staging_file_is_reused_only_once_its_generation_let_go_of_it(tmp_path
     assert os.stat(fresh.path).st_ino == (generations / "5.bin").stat().st_ino != (generations / "3.bin").stat().st_ino
     restarted.clear()
     assert not list(staging.iterdir()) and (generations / "5.bin").exists()
+
+
+def test_staging_files_whose_names_were_removed_are_all_let_go(tmp_path):
+    # The node's folder deleted under a process (a replaced node): every file it held there leaves
+    # its list at the next take, the second as well as the first.
+    staging, generations = tmp_path / "staging", tmp_path / "generations"
+    generations.mkdir()
+    files = StagingFiles()
+    held = [files.take(str(staging), 0, 4096, str(generations / f"{n}.bin")) for n in range(3)]
+    for file in held:
+        files.give_back(file)
+    for file in held[:2]:
+        os.unlink(file.path)
+    assert files.file_count() == 3
+    files.take(str(staging), 0, 4096, str(generations / "3.bin"), limit=1)
+    assert files.file_count() == 1
+    files.clear()

@@ -40,7 +40,8 @@ class StagingFiles:
             if files is None:
                 files = self._files[(folder, rank)] = []
                 _unlink_earlier(folder, rank)
-            free = [f for f in files if id(f) not in self._busy and _links(f, files) == 1]
+            # over a copy: _links drops from ``files`` a file whose name is gone
+            free = [f for f in list(files) if id(f) not in self._busy and _links(f, files) == 1]
             fitting = [f for f in free if f.capacity >= nbytes]
             if not free and limit is not None and len(files) >= limit:
                 return None
