@@ -28,21 +28,26 @@ class Codec:
     size: Callable[[Any], int] = len  # the stored bytes of what ``compress`` returned
 
 
-def _zstd(level: int, planes: bool) -> Codec:
-    """bcp's own chunk coder (``bcp.chunk_codecs``): zstd over the chunk's bytes, or over its byte
-    planes (byte b of every element together: bf16's exponent bytes apart from its low mantissa
-    bytes); a chunk it does not make smaller it keeps raw."""
+def _zstd(level: int, codec: int) -> Codec:
+    """bcp's own chunk coder (``bcp.chunk_codecs``) with one of its codecs: zstd over the chunk's
+    bytes, over its byte planes (byte b of every element together), or over the byte planes of its
+    elements rotated (the exponent, or its low six bits and the mantissa's top two, in the top
+    plane); elements of one byte are coded whole. A chunk it does not make smaller it keeps raw."""
     def compress(chunk: bytes, k: int) -> tuple[int, memoryview]:
-        codec = chunk_codecs.ZSTD_PLANES if planes and k > 1 else chunk_codecs.ZSTD
-        return chunk_codecs.compress_chunk(memoryview(chunk), codec, k, level)
+        return chunk_codecs.compress_chunk(memoryview(chunk), codec if k > 1 else chunk_codecs.ZSTD, k, level)
 
     def decompress(stored: tuple[int, memoryview], k: int, n: int) -> bytes:
         out = bytearray(n)
         chunk_codecs.decompress_chunk(stored[1], stored[0], k, memoryview(out))
         return bytes(out)
 
-    return Codec(f"zstandard level {level}, {'byte planes' if planes else 'whole bytes'} (bcp's chunk coder)",
-                 compress, decompress, lambda stored: stored[1].nbytes)
+    return Codec(f"zstandard level {level}, {_LAYOUTS[codec]} (bcp's codec {codec})", compress, decompress,
+                 lambda stored: stored[1].nbytes)
+
+
+_LAYOUTS = {chunk_codecs.ZSTD: "whole bytes", chunk_codecs.ZSTD_PLANES: "byte planes",
+            chunk_codecs.ZSTD_EXPONENT_PLANES: "exponent planes",
+            chunk_codecs.ZSTD_EXPONENT_MANTISSA_PLANES: "exponent and mantissa planes"}
 
 
 def _blosc2(codec_name: str, level: int, bytedelta: bool) -> Codec:
@@ -79,7 +84,10 @@ def _zipnn() -> Codec:
 
 
 def considered() -> list[Codec]:
-    return [_zstd(1, False), _zstd(3, False), _zstd(1, True), _zstd(3, True),
+    """What bcp writes (codec 4 for bf16 and fp32) and the layouts it wrote before, then the other
+    libraries; zstd-3 on whole bytes only, since a higher level gained nothing on planes."""
+    return [_zstd(1, chunk_codecs.ZSTD), _zstd(3, chunk_codecs.ZSTD), _zstd(1, chunk_codecs.ZSTD_PLANES),
+            _zstd(1, chunk_codecs.ZSTD_EXPONENT_PLANES), _zstd(1, chunk_codecs.ZSTD_EXPONENT_MANTISSA_PLANES),
             _blosc2("ZSTD", 1, False), _blosc2("ZSTD", 1, True), _blosc2("LZ4", 5, False),
             _zipnn()]
 

@@ -16,8 +16,9 @@ import zstandard
 import bcp
 import bcp.tools
 from bcp.integration import reset_runtime
-from bcp.chunk_codecs import (RAW, ZSTD, ZSTD_EXPONENT_PLANES, ZSTD_PLANES, ChunkDecodeError, Compression, codec_for,
-                              compress_chunk, decompress_chunk, join_planes, split_planes)
+from bcp.chunk_codecs import (RAW, ZSTD, ZSTD_EXPONENT_MANTISSA_PLANES, ZSTD_EXPONENT_PLANES, ZSTD_PLANES,
+                              ChunkDecodeError, Compression, codec_for, compress_chunk, decompress_chunk, join_planes,
+                              split_planes)
 from bcp.errors import CorruptCheckpointError
 from bcp.layout.box import Box
 from bcp.layout.dtypes import exponent_bits, plane_width
@@ -78,17 +79,31 @@ def _special_values(dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([values, _trained_like(dtype, 4000)])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_exponent_planes_round_trip_special_values_and_random_bytes_bitwise(dtype):
+ROTATING = [ZSTD_EXPONENT_PLANES, ZSTD_EXPONENT_MANTISSA_PLANES]
+
+
+@pytest.mark.parametrize("codec", ROTATING)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.complex64])
+def test_exponent_planes_round_trip_special_values_and_random_bytes_bitwise(dtype, codec):
     width = plane_width(dtype)
     special = _bytes_of(_special_values(dtype))
     negative_nan = torch.tensor([float("nan")], dtype=dtype).neg()
-    assert _round_trip(special, ZSTD_EXPONENT_PLANES, width) == (ZSTD_EXPONENT_PLANES, special.tobytes())
+    assert _round_trip(special, codec, width) == (codec, special.tobytes())
     for raw in (_bytes_of(negative_nan.repeat(1000)),
                 memoryview(np.random.default_rng(7).integers(0, 256, 3000 * width, dtype=np.uint8)),
                 memoryview(np.random.default_rng(8).integers(0, 2, 3000 * width, dtype=np.uint8) * 255)):
-        codec, out = _round_trip(raw, ZSTD_EXPONENT_PLANES, width)
-        assert codec in (RAW, ZSTD_EXPONENT_PLANES) and out == raw.tobytes()
+        coded, out = _round_trip(raw, codec, width)
+        assert coded in (RAW, codec) and out == raw.tobytes()
+
+
+@pytest.mark.parametrize("codec", ROTATING)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exponent_planes_round_trip_every_size_of_whole_elements_bitwise(dtype, codec):
+    values = _special_values(dtype)
+    for count in (1, 2, 3, 7, 13, 1001, values.numel()):
+        raw = _bytes_of(values[-count:])
+        coded, out = _round_trip(raw, codec, plane_width(dtype))
+        assert coded in (RAW, codec) and out == raw.tobytes()
 
 
 def test_exponent_planes_put_the_whole_exponent_in_the_top_plane():
@@ -100,10 +115,23 @@ def test_exponent_planes_put_the_whole_exponent_in_the_top_plane():
     assert planes[1, :3].tolist() == [127, 128, 0] and planes[0, :3].tolist() == [0x00, 0x01, 0x01]
 
 
-def test_exponent_planes_refuse_what_they_cannot_have_written():
+def test_exponent_and_mantissa_planes_put_six_exponent_bits_and_two_mantissa_bits_in_the_top_plane():
+    # the format's definition: each element rotated left three bits, then byte planes (docs/format.md)
+    raw = _bytes_of(torch.tensor([1.0, -1.75, -0.0] * 200, dtype=torch.bfloat16))  # 0x3f80, 0xbfe0, 0x8000
+    codec, stored = compress_chunk(raw, ZSTD_EXPONENT_MANTISSA_PLANES, 2, 1)
+    planes = np.frombuffer(zstandard.ZstdDecompressor().decompress(stored), dtype=np.uint8).reshape(2, -1)
+    assert codec == ZSTD_EXPONENT_MANTISSA_PLANES
+    # 1.0: exponent 0b01111111, mantissa 0 -> top 0b111111_00, bottom 0b00000_0_01 (sign 0, exponent's top bits 01)
+    # -1.75: mantissa 0b1100000 -> top 0b111111_11, bottom 0b00000_1_01; -0.0: only the sign -> 0b100
+    assert planes[1, :3].tolist() == [0b11111100, 0b11111111, 0]
+    assert planes[0, :3].tolist() == [0b001, 0b101, 0b100]
+
+
+@pytest.mark.parametrize("codec", ROTATING)
+def test_exponent_planes_refuse_what_they_cannot_have_written(codec):
     raw = _bytes_of(_trained_like(torch.float32, 4096))
-    codec, stored = compress_chunk(raw, ZSTD_EXPONENT_PLANES, 4, 1)
-    assert codec == ZSTD_EXPONENT_PLANES
+    coded, stored = compress_chunk(raw, codec, 4, 1)
+    assert coded == codec
     with pytest.raises(ChunkDecodeError, match="width 3"):
         decompress_chunk(stored, codec, 3, memoryview(bytearray(raw.nbytes)))
     with pytest.raises(ChunkDecodeError, match="cannot make"):  # not whole elements
@@ -114,24 +142,26 @@ def test_exponent_planes_refuse_what_they_cannot_have_written():
         decompress_chunk(stored[:-5], codec, 4, memoryview(bytearray(raw.nbytes)))
 
 
-def test_an_exponent_planes_chunk_that_is_not_whole_elements_falls_back_to_whole_bytes():
+@pytest.mark.parametrize("codec", ROTATING)
+def test_an_exponent_planes_chunk_that_is_not_whole_elements_falls_back_to_whole_bytes(codec):
     raw = _bytes_of(_trained_like(torch.float32, 1000))[:3999]
-    assert _round_trip(raw, ZSTD_EXPONENT_PLANES, 4) == (ZSTD, raw.tobytes())
+    assert _round_trip(raw, codec, 4) == (ZSTD, raw.tobytes())
 
 
-def test_the_writer_codes_8_bit_exponents_in_exponent_planes_and_others_in_byte_planes():
+def test_the_writer_codes_8_bit_exponents_in_exponent_and_mantissa_planes_and_others_in_byte_planes():
     chosen = {d: codec_for(plane_width(d), exponent_bits(d)) for d in (torch.bfloat16, torch.float32, torch.complex64,
                                                                         torch.float16, torch.float64, torch.int32)}
-    assert chosen == {torch.bfloat16: ZSTD_EXPONENT_PLANES, torch.float32: ZSTD_EXPONENT_PLANES,
-                      torch.complex64: ZSTD_EXPONENT_PLANES, torch.float16: ZSTD_PLANES, torch.float64: ZSTD_PLANES,
-                      torch.int32: ZSTD}
+    assert chosen == {torch.bfloat16: ZSTD_EXPONENT_MANTISSA_PLANES, torch.float32: ZSTD_EXPONENT_MANTISSA_PLANES,
+                      torch.complex64: ZSTD_EXPONENT_MANTISSA_PLANES, torch.float16: ZSTD_PLANES,
+                      torch.float64: ZSTD_PLANES, torch.int32: ZSTD}
 
 
-def test_exponent_planes_beat_byte_planes_on_bf16_weights():
-    raw = _bytes_of(_trained_like(torch.bfloat16, CHUNK // 2))
-    _, planes = compress_chunk(raw, ZSTD_PLANES, 2, 1)
-    _, exponent = compress_chunk(raw, ZSTD_EXPONENT_PLANES, 2, 1)
-    assert exponent.nbytes < planes.nbytes
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_rotation_beats_the_one_before_on_trained_like_values(dtype):
+    raw = _bytes_of(_trained_like(dtype, CHUNK // torch.empty((), dtype=dtype).element_size()))
+    sizes = [compress_chunk(raw, codec, plane_width(dtype), 1)[1].nbytes
+             for codec in (ZSTD_PLANES, ZSTD_EXPONENT_PLANES, ZSTD_EXPONENT_MANTISSA_PLANES)]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == 3
 
 
 def test_the_format_4_fixture_keeps_chunks_in_byte_planes():
@@ -318,9 +348,10 @@ def test_every_dtype_round_trips_bitwise_compressed(tmp_path):
     assert manifest.version == 4 and manifest.compression == Compression("zstd", 1)
     codecs = {name: {c for s in e.shards for c in (s.bytes.stored.codecs if s.bytes.stored else (RAW,))}
               for name, e in manifest.tensors.items()}
-    assert codecs["bfloat16"] == codecs["float32"] == codecs["complex64"] == {ZSTD_EXPONENT_PLANES}
+    assert codecs["bfloat16"] == codecs["float32"] == codecs["complex64"] == {ZSTD_EXPONENT_MANTISSA_PLANES}
     assert codecs["float16"] == codecs["float64"] == {ZSTD_PLANES} and codecs["int64"] == {ZSTD}
-    assert codecs["small"] == codecs["scalar"] == {RAW} and codecs["empty"] <= {RAW}  # too small to shrink
+    assert codecs["scalar"] == {RAW} and codecs["empty"] <= {RAW}  # too small to shrink
+    assert codecs["small"] == {ZSTD_EXPONENT_MANTISSA_PLANES}  # 0.0 .. 6.0: zero low planes, 28 bytes in fewer
     live = {name: torch.zeros_like(t) for name, t in state.items()}
     bcp.load(tmp_path, live, metrics_log=False)
     for name, tensor in state.items():
@@ -335,7 +366,7 @@ def test_incompressible_chunks_are_stored_raw_and_the_file_holds_the_stored_byte
     noise = manifest.tensors["noise"].shards[0].bytes
     assert noise.stored is None  # every chunk raw: read as an uncompressed shard
     weights = manifest.tensors["w"].shards[0].bytes
-    assert set(weights.stored.codecs) == {ZSTD_EXPONENT_PLANES} and weights.nbytes / weights.stored_nbytes > 1.3
+    assert set(weights.stored.codecs) == {ZSTD_EXPONENT_MANTISSA_PLANES} and weights.nbytes / weights.stored_nbytes > 1.3
     stored = sum(s.bytes.stored_nbytes for e in manifest.tensors.values() for s in e.shards)
     data = tmp_path / f"gen-{manifest.generation:08d}" / manifest.files[0]
     assert data.stat().st_size == stored  # values aside, which this state has none of
@@ -357,7 +388,8 @@ def test_an_asynchronous_save_compresses_in_the_writer_process_or_threads(tmp_pa
     bcp.save(tmp_path, state, compression="zstd", async_save=True, async_writer=writer, metrics_log=False).wait()
     reset_runtime()  # its staging buffers go: tests after this one count the buffers they make
     manifest = read_manifest(tmp_path)
-    assert manifest.version == 4 and set(manifest.tensors["w"].shards[0].bytes.stored.codecs) == {ZSTD_EXPONENT_PLANES}
+    assert manifest.version == 4
+    assert set(manifest.tensors["w"].shards[0].bytes.stored.codecs) == {ZSTD_EXPONENT_MANTISSA_PLANES}
     live = {name: torch.zeros_like(t) for name, t in state.items()}
     bcp.load(tmp_path, live, metrics_log=False)
     assert all(torch.equal(live[n], state[n]) for n in state)
