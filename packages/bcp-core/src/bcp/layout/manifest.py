@@ -315,7 +315,8 @@ class _ManifestParser:
         raw = chunks.chunk_codec == RAW
         if not np.all(np.isin(chunks.chunk_codec, KNOWN)):
             unknown = int(chunks.chunk_codec[~np.isin(chunks.chunk_codec, KNOWN)][0])
-            raise self.fail(f"a chunk's codec id {unknown} is not one this bcp knows (knows {list(KNOWN)})")
+            raise self.fail(f"a chunk's codec id {unknown} is not one this bcp knows (knows {list(KNOWN)}): "
+                            "written by a newer bcp? Upgrade bcp to load it")
         if np.any(raw & ((chunks.chunk_stored != raw_lengths) | (chunks.stored_crcs != table.crcs))):
             raise self.fail("a raw chunk's stored length or checksum differs from its raw bytes'")
         if np.any(~raw & ((chunks.chunk_stored <= 0) | (chunks.chunk_stored >= raw_lengths))):
