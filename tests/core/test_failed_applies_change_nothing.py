@@ -6,7 +6,8 @@ parameters) are refused before any byte is placed, on every rank alike. A user's
 took their state, has every change taken back: the model (bytes placed by exchanging storages, and
 a tensor in shared memory placed by copy), the optimizer's state and param groups, a scheduler, a
 plain dict, a ``Stateful`` that took its state before, one whose ``state_dict()`` returns copies,
-end bitwise as they were. On 2 ranks, a ``Stateful`` that raises on rank 1 only has rank 0, whose
+end bitwise as they were; so do a model given as a dict and an optimizer given as torch's FQN-keyed
+state dict. On 2 ranks, a ``Stateful`` that raises on rank 1 only has rank 0, whose
 apply succeeded, take its own back too.
 """
 
@@ -147,3 +148,30 @@ def test_on_two_ranks_a_stateful_raising_on_one_has_both_take_their_changes_back
         assert not changed, (rank, changed)
         assert "this count belongs to another run" in error
         assert loads_after
+
+
+def test_an_fqn_keyed_optimizer_dict_and_a_dict_model_are_given_back_too(tmp_path):
+    """The other objects an adapter takes: a model given as a dict of tensors and values, and an
+    optimizer given as torch's FQN-keyed state dict (its per-parameter dicts refilled or emptied in
+    place by the load)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    def state(seed: int) -> dict[str, Any]:
+        full = _state(seed)
+        model, optimizer = full["model"], full["optimizer"]
+        tensors = {**model.state_dict(), "note": f"run {seed}"}
+        return {"refusing": full["refusing"], "model": tensors,
+                "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+    saved = state(seed=3)
+    for name in ("2.weight", "2.bias"):  # the load removes the live state of these, and clears it
+        del saved["optimizer"]["state"][name]
+    bcp.save(tmp_path, saved)
+    live = state(seed=1)
+    live["refusing"].refuse = True
+    before = copy.deepcopy({"model": live["model"], "optimizer": live["optimizer"]})
+    held = live["optimizer"]["state"]["2.weight"]  # a per-parameter dict the load empties
+    with pytest.raises(bcp.CheckpointError, match="this count belongs to another run"):
+        bcp.load(tmp_path, live)
+    assert not differences(before, {"model": live["model"], "optimizer": live["optimizer"]}, "state")
+    assert live["optimizer"]["state"]["2.weight"] is held
