@@ -10,7 +10,8 @@ test walks their imports).
   process's runtime (plan cache, buffers, async lane);
 - the load sequence: ``load_wanted`` reads the tensor pieces and values an integration's ``Wanted``
   names, verifies them, agrees across ranks and applies (transactional, ``read_once``, metrics
-  record, the GC paused), as ``bcp.load`` does for its own states;
+  record, the GC paused), as ``bcp.load`` does for its own states; an ``UndoableWanted`` records
+  in an ``Undo`` how to take its apply back when the load fails on any rank;
 - where checkpoints live (``checkpoint_location(path, role)``: generations and their commit
   state), the storage backend for a path or URL and ``is_url``, the one test of which a path is;
 - adapters: ``initialize_state`` gives a never-stepped optimizer its state before a load,
@@ -70,10 +71,11 @@ from bcp.adapters.resumed_epoch import original_of as unwrap_resumed
 from bcp.adapters.resumed_epoch import resumed as resumed_epoch_of
 from bcp.torch_internals.dataloader import state_batches_yielded as batches_yielded
 from bcp.api.checkpoint import Checkpoint, open_checkpoint
-from bcp.api.load import Want, Wanted, load_wanted
+from bcp.api.load import UndoableWanted, Want, Wanted, load_wanted
 from bcp.api.location import resolve as checkpoint_location
 from bcp.api.options import DEFAULT_IO_THREADS, LoadOptions, SaveOptions
 from bcp.api.runtime import Runtime, reset_runtime, runtime
+from bcp.api.undo import Undo
 from bcp.coord import Coordinator, as_coordinator, default_coordinator
 from bcp.coord.consensus import Outcome, all_agree, broadcast_from_root, gather_then_reply
 from bcp.layout.framework_pickle import refusing_pickled_code
@@ -97,7 +99,7 @@ __all__ = [
     "Checkpoint", "open_checkpoint", "SaveOptions", "LoadOptions", "DEFAULT_IO_THREADS", "Runtime", "runtime",
     "reset_runtime",
     # the load sequence for wanted pieces and values of an integration's own
-    "load_wanted", "Wanted", "Want",
+    "load_wanted", "Wanted", "Want", "UndoableWanted", "Undo",
     # where checkpoints live: generations and their commit state; storage backends
     "checkpoint_location", "Storage", "storage_for", "is_url",
     # adapters

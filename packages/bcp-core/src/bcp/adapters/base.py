@@ -1,12 +1,22 @@
 """The adapter interface: how a framework's model and optimizer become flat state dicts of the
 core's value types (tensors, DTensors, ``TensorShard``/``FlatShard`` pieces, plain values) and how
 loaded values go back. The engine fills the returned tensors in place, so on load an adapter
-returns tensors that alias the live memory wherever it can."""
+returns tensors that alias the live memory wherever it can.
+
+A load that fails while applying gives every object its previous state back: before applying, the
+engine asks :meth:`FrameworkAdapter.check_optimizer_state` (on every rank, before anything is
+placed) and keeps :meth:`FrameworkAdapter.kept_model_state` and
+:meth:`FrameworkAdapter.kept_optimizer_state` to call if the load fails. Live tensors' bytes are
+restored by the engine itself."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+from torch import nn
+
+from bcp.adapters.optimizer import kept_optimizer_state
 
 
 class FrameworkAdapter(ABC):
@@ -39,3 +49,29 @@ class FrameworkAdapter(ABC):
     @abstractmethod
     def load_optimizer_state(self, model: Any, optimizer: Any, values: dict[str, Any]) -> None:
         """Apply loaded values (tensors already filled in place) to the optimizer."""
+
+    def check_optimizer_state(self, model: Any, optimizer: Any, values: dict[str, Any]) -> None:
+        """Raise a ``CheckpointError`` where :meth:`load_optimizer_state` would refuse ``values``,
+        changing nothing; called on every rank before any loaded byte is placed. The default
+        checks nothing."""
+
+    def kept_model_state(self, model: Any) -> Callable[[], None]:
+        """How to give ``model`` back the state it has now, once its tensors' bytes are restored. The
+        default: a module's ``state_dict()`` loaded back, a dict's items put back."""
+        if isinstance(model, nn.Module):
+            kept = model.state_dict()
+            return lambda: _loaded_back(model, kept)
+        if isinstance(model, dict):
+            items = dict(model)
+            return lambda: (model.clear(), model.update(items))
+        return lambda: None
+
+    def kept_optimizer_state(self, model: Any, optimizer: Any) -> Callable[[], None]:
+        """How to give ``optimizer`` back the state and param groups it has now, once its tensors'
+        bytes are restored. The default serves a ``torch.optim.Optimizer`` and an FQN-keyed
+        optimizer state dict."""
+        return kept_optimizer_state(optimizer)
+
+
+def _loaded_back(model: nn.Module, state: dict[str, Any]) -> None:
+    model.load_state_dict(state, strict=False)

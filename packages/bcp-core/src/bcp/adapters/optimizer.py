@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
-from typing import Any, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import torch
 
@@ -285,16 +285,68 @@ def _apply_to_dict(osd: Any, values: dict[str, Any]) -> None:
                       [[canonical(p) for p in g[_PARAMS]] for g in osd["param_groups"]])
 
 
+def check_optimizer_values(model: Any, optimizer: Any, values: Mapping[str, Any]) -> None:
+    """Raise the :class:`MismatchError` :func:`apply_optimizer_values` would raise for ``values``,
+    changing nothing: the saved param groups must give every live group's parameters one set of
+    hyper-parameters (:func:`_group_settings`)."""
+    if PARAM_GROUPS not in values:
+        return
+    if isinstance(optimizer, Mapping):
+        names = [[canonical(p) for p in g[_PARAMS]] for g in optimizer["param_groups"]]
+    else:
+        fqns = _param_names(model)
+        names = [[fqns[id(p)] for p in g[_PARAMS]] for g in optimizer.param_groups]
+    _group_settings(values[PARAM_GROUPS], names)
+
+
+def kept_optimizer_state(optimizer: Any) -> Callable[[], None]:
+    """How to give ``optimizer`` (a ``torch.optim.Optimizer`` or an FQN-keyed state dict) back the
+    state and param groups it has now, after :func:`apply_optimizer_values` (which puts new state
+    dicts in place and refills the groups); its tensors' bytes are the caller's to restore."""
+    groups = optimizer["param_groups"] if isinstance(optimizer, Mapping) else optimizer.param_groups
+    kept_groups = [dict(group) for group in groups]
+    if isinstance(optimizer, Mapping):
+        state = optimizer["state"]
+        kept_state = {key: (entry, dict(entry)) for key, entry in state.items()}
+    else:
+        kept = optimizer.state
+
+    def restore() -> None:
+        for group, items in zip(groups, kept_groups):
+            group.clear()
+            group.update(items)
+        if isinstance(optimizer, Mapping):
+            state.clear()
+            for key, (entry, items) in kept_state.items():
+                entry.clear()
+                entry.update(items)
+                state[key] = entry
+        else:
+            optimizer.state = kept
+    return restore
+
+
 def _apply_groups(live: list[dict], saved: list[dict], live_names: list[list[str]]) -> None:
     """Give each live group the hyper-parameters its parameters were saved with, and no others (as
-    ``load_state_dict`` replaces each group). ``saved`` may hold the groups of several saved ranks
-    (pipeline stages hold different parameters): a parameter is found by name wherever it was
-    saved, so any change of layout restores every group."""
+    ``load_state_dict`` replaces each group)."""
+    for group, settings in zip(live, _group_settings(saved, live_names)):
+        if settings is not None:
+            replace_group_settings(group, settings)
+
+
+def _group_settings(saved: list[dict], live_names: list[list[str]]) -> list[dict | None]:
+    """Each live group's saved hyper-parameters (None for a group without parameters). ``saved``
+    may hold the groups of several saved ranks (pipeline stages hold different parameters): a
+    parameter is found by name wherever it was saved, so any change of layout restores every group.
+    Refused as ``Optimizer.load_state_dict`` refuses groups of other sizes or number, by name: a live
+    parameter in no saved group, or a live group whose parameters were saved with different
+    hyper-parameters."""
     settings: dict[str, dict] = {}
     for group in saved:
         for name in group.get(_PARAMS, []):
             settings.setdefault(name, {k: v for k, v in group.items() if k != _PARAMS})
-    for i, (group, names) in enumerate(zip(live, live_names)):
+    chosen: list[dict | None] = []
+    for i, names in enumerate(live_names):
         found = [settings.get(name) for name in names]
         unknown = [name for name, s in zip(names, found) if s is None]
         if unknown:
@@ -303,8 +355,8 @@ def _apply_groups(live: list[dict], saved: list[dict], live_names: list[list[str
         if any(not _same(found[0], other) for other in found[1:]):
             raise MismatchError(f"optimizer param group {i} holds parameters that were saved in groups with "
                                 "different hyper-parameters", key="optimizer/param_groups")
-        if found:
-            replace_group_settings(group, found[0])
+        chosen.append(found[0] if found else None)
+    return chosen
 
 
 def replace_group_settings(group: dict[str, Any], saved: Mapping[str, Any]) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 
 from bcp.adapters.base import FrameworkAdapter
 from bcp.adapters.fqn import canonical_map
-from bcp.adapters.optimizer import apply_optimizer_values, optimizer_values
+from bcp.adapters.optimizer import apply_optimizer_values, check_optimizer_values, optimizer_values
 from bcp.errors import AdapterError
 from bcp.layout.shards import is_dtensor
 
@@ -87,6 +87,9 @@ class TorchModuleAdapter(FrameworkAdapter):
 
     def load_optimizer_state(self, model: Any, optimizer: Any, values: dict[str, Any]) -> None:
         apply_optimizer_values(model, optimizer, values)
+
+    def check_optimizer_state(self, model: Any, optimizer: Any, values: dict[str, Any]) -> None:
+        check_optimizer_values(model, optimizer, values)
 
 
 def torch_adapters() -> list[tuple[FrameworkAdapter, int]]:

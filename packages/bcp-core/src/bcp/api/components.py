@@ -14,8 +14,9 @@ missing); a parameter with part of its state saved is a mismatch like any missin
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Collection, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -25,8 +26,9 @@ from bcp.adapters.base import FrameworkAdapter
 from bcp.adapters.dataloader import COMPONENT as DATALOADER
 from bcp.adapters.dataloader import DataloaderState
 from bcp.adapters.optimizer import MERGED, wanted_as_saved
-from bcp.api.in_place import into_live
+from bcp.api.in_place import into_live, plain_copy
 from bcp.api.state_walk import MODEL, OPTIMIZER, Leaf, ModuleComponent, OptimizerComponent, StateParts, Stateful, walk
+from bcp.api.undo import Undo
 from bcp.errors import AdapterError, CheckpointError, MismatchError
 from bcp.layout.values import tensor_refs
 
@@ -87,31 +89,85 @@ class StateValues:
         if kind is not None:
             kind.add(name)
 
-    def apply(self, loaded: dict[str, Any]) -> None:
-        """Give loaded values back to the live objects (tensors were already filled in place)."""
-        for path, bound in self.modules:
-            for part in bound:
-                values = _within(path, part.names, loaded)
-                if values:
-                    part.adapter.load_model_state(part.obj, values)
-        for path, bound in self.optimizers:
-            if not any(name in loaded for item in bound for name in item.names):
-                continue  # the optimizer was not loaded (strict=False and not saved): left as it is
+    def check(self, loaded: dict[str, Any], path: str) -> None:
+        """Raise where an adapter would refuse ``loaded`` while applying it, changing nothing (the
+        optimizers' param groups), so that the load fails before anything is placed."""
+        for component, bound in self._loaded_optimizers(loaded):
             for item in bound:
-                item.adapter.load_optimizer_state(item.model, item.obj, _within(path, item.names, loaded))
+                try:
+                    item.adapter.check_optimizer_state(item.model, item.obj, _within(component, item.names, loaded))
+                except CheckpointError as exc:
+                    raise exc.at(path) from None
+
+    def apply(self, loaded: dict[str, Any], undo: Undo) -> None:
+        """Give loaded values back to the live objects (tensors were already filled in place);
+        ``undo`` records how to give each object its previous state back. The dataloader goes last:
+        nothing after it can fail, and it is not given its previous state back."""
+        kept_trees = {id(s): plain_copy(s.tree) for s in self.statefuls if self._takes(s, loaded)}
+        for component, bound in self.modules:
+            for part in bound:
+                values = _within(component, part.names, loaded)
+                if values:
+                    undo.on_object(part.adapter.kept_model_state(part.obj))
+                    with _applying(component):
+                        part.adapter.load_model_state(part.obj, values)
+        for component, bound in self._loaded_optimizers(loaded):
+            for item in bound:
+                undo.on_object(item.adapter.kept_optimizer_state(item.model, item.obj))
+                with _applying(component):
+                    item.adapter.load_optimizer_state(item.model, item.obj, _within(component, item.names, loaded))
+        for leaf in [*self.leaves, *self.plain_leaves]:
+            if leaf.path in loaded:
+                undo.on_contents(_put_back(leaf.container, leaf.key, leaf.container[leaf.key]))
+                leaf.container[leaf.key] = into_live(leaf.container[leaf.key], loaded[leaf.path], undo)
+        for stateful in reversed(self.statefuls):  # inner objects before the objects holding them
+            if id(stateful) in kept_trees:
+                undo.on_object(_state_back(stateful.obj, kept_trees[id(stateful)]))
+                tree = stateful.tree if stateful.walked else into_live(stateful.tree, loaded[stateful.path], undo)
+                with _applying(stateful.path):
+                    stateful.obj.load_state_dict(tree)
         if self.dataloader is not None:
             parts = _within(DATALOADER, {n for n in loaded if n.startswith(f"{DATALOADER}/")}, loaded)
             if parts:
-                self.dataloader.restore(parts)
-        for leaf in [*self.leaves, *self.plain_leaves]:
-            if leaf.path in loaded:
-                leaf.container[leaf.key] = into_live(leaf.container[leaf.key], loaded[leaf.path])
-        for stateful in reversed(self.statefuls):  # inner objects before the objects holding them
-            if stateful.walked:
-                if any(name == stateful.path or name.startswith(f"{stateful.path}/") for name in loaded):
-                    stateful.obj.load_state_dict(stateful.tree)
-            elif stateful.path in loaded:
-                stateful.obj.load_state_dict(into_live(stateful.tree, loaded[stateful.path]))
+                with _applying(DATALOADER):
+                    self.dataloader.restore(parts)
+
+    def _loaded_optimizers(self, loaded: dict[str, Any]) -> list[tuple[str, list[_Bound]]]:
+        """The optimizers ``loaded`` holds values of (one a ``strict=False`` load did not find saved
+        is left as it is)."""
+        return [(component, bound) for component, bound in self.optimizers
+                if any(name in loaded for item in bound for name in item.names)]
+
+    @staticmethod
+    def _takes(stateful: Stateful, loaded: dict[str, Any]) -> bool:
+        """Whether the load gives ``stateful`` a state."""
+        if stateful.walked:
+            return any(name == stateful.path or name.startswith(f"{stateful.path}/") for name in loaded)
+        return stateful.path in loaded
+
+
+@contextmanager
+def _applying(name: str) -> Iterator[None]:
+    """A failure while giving the component ``name`` its loaded state, as a CheckpointError naming it."""
+    try:
+        yield
+    except CheckpointError as exc:
+        exc.key = exc.key or name
+        exc.args = (exc._formatted(),)
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"giving it its loaded state raised {type(exc).__name__}: {exc}; every change "
+                              "the load made is taken back", key=name) from exc
+
+
+def _put_back(container: Any, key: Any, previous: Any) -> Callable[[], None]:
+    def step() -> None:
+        container[key] = previous
+    return step
+
+
+def _state_back(obj: Any, tree: Any) -> Callable[[], None]:
+    return lambda: obj.load_state_dict(tree)
 
 
 def _within(path: str, names: Collection[str], loaded: dict[str, Any]) -> dict[str, Any]:

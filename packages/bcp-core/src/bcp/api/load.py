@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -26,6 +26,7 @@ from bcp.api.per_rank import warn_world_change, world_change
 from bcp.api.results import LoadResult, PhaseStats
 from bcp.api.runtime import runtime
 from bcp.api.targets import CheckpointTarget
+from bcp.api.undo import Undo
 from bcp.coord import Coordinator, as_coordinator
 from bcp.coord.consensus import Outcome, all_agree, gather_then_reply
 from bcp.engine.chunked_copies import ChunkedCopies
@@ -79,7 +80,18 @@ class Wanted(Protocol):
         """Read the wanted values (the tensor pieces are read by then), by name."""
 
     def apply(self, loaded: dict[str, Any]) -> None:
-        """Give the values read back to the live objects (the tensor pieces are placed by then)."""
+        """Give the values read back to the live objects (the tensor pieces are placed by then).
+        Where the load fails, the placed bytes are taken back; what ``apply`` changed beyond them
+        is taken back only by a wanted that is also :class:`UndoableWanted`."""
+
+
+@runtime_checkable
+class UndoableWanted(Protocol):
+    """A :class:`Wanted` whose apply records how to take back what it changed (a load that fails
+    on any rank, in its apply or after it, then leaves the live objects as they were)."""
+
+    def apply_undoable(self, loaded: dict[str, Any], undo: Undo) -> None:
+        """:meth:`Wanted.apply`, recording in ``undo`` how to take each change back."""
 
 
 #: Names what a live state wants, once the checkpoint is open (raises a CheckpointError when it cannot).
@@ -172,15 +184,23 @@ def _load(source: ReadSource, want: Want, options: LoadOptions, coord: Coordinat
         stats.failed_phase = "plan" if planned.error is not None else "read"
     with stats.phase("agree"):
         _agree_on_reading(coord, planned, read, checkpoint, result, options.strict)
+    undo = Undo()
     with stats.phase("apply"):
-        applied = Outcome.of(lambda: _apply(planned.value, read.value))
-        if planned.error is None:  # the staging buffers serve the next load, whatever happened to this one
-            planned.value.staging.release()
+        applied = Outcome.of(lambda: _apply(planned.value, read.value, undo, checkpoint.path))
+        if applied.error is not None:
+            undo.run(applied.error)
     # every rank's metrics record travels on the final agreement, so monitoring adds no exchange;
     # the coordinating rank's own record, completed after it, also holds its wait there
     with stats.phase("confirm"):
-        every_rank = all_agree(coord, Outcome(monitor.rank_wire(), applied.error),
-                               f"restoring the state loaded from {checkpoint.path}")
+        try:
+            every_rank = all_agree(coord, Outcome(monitor.rank_wire(), applied.error),
+                                   f"restoring the state loaded from {checkpoint.path}")
+        except BaseException as exc:  # another rank's apply failed (or a peer died): take this one's back
+            undo.run(exc)
+            raise
+        finally:  # the staging buffers serve the next load, whatever happened to this one
+            if planned.error is None:
+                planned.value.staging.release()
     if coord.rank == 0:
         monitor.finish(every_rank)
         result.metrics = monitor.record
@@ -279,6 +299,7 @@ class _StateWanted:
         if coord.rank == 0:
             warn_world_change(checkpoint.path, checkpoint.manifest.world_size, coord.world_size, result.duplicated,
                               result.dropped)
+        self.state.check(loaded, checkpoint.path)  # before the agreement: a refusal fails every rank unchanged
         return loaded
 
     def _check_in_place(self, name: str, loaded: dict[str, Any], path: str) -> None:
@@ -295,7 +316,10 @@ class _StateWanted:
         loaded[name] = value.to(live.dtype)
 
     def apply(self, loaded: dict[str, Any]) -> None:
-        self.state.apply(loaded)
+        self.apply_undoable(loaded, Undo())
+
+    def apply_undoable(self, loaded: dict[str, Any], undo: Undo) -> None:
+        self.state.apply(loaded, undo)
 
 
 def _resolver(loaded: dict[str, Any], checkpoint: Checkpoint) -> Callable[[str], Any]:
@@ -352,8 +376,16 @@ def _agree_on_reading(coord: Coordinator, planned: Outcome, read: Outcome, check
         raise unexpected_error(unloaded.in_requested, checkpoint)
 
 
-def _apply(plan: _Plan, loaded: dict[str, Any]) -> None:
+def _apply(plan: _Plan, loaded: dict[str, Any], undo: Undo, path: str) -> None:
     """Every rank has read and verified everything: place staged bytes into the live tensors, then
-    give the values back to the live objects."""
-    plan.staging.place([(piece.tensor, staging) for piece, staging in plan.staged])
-    plan.wanted.apply(loaded)
+    give the values back to the live objects, recording in ``undo`` how to take each change back
+    (a load that is not transactional may have placed bytes as they were read: those stay)."""
+    plan.staging.place([(piece.tensor, staging) for piece, staging in plan.staged], undoable=not plan.place_as_read)
+    undo.on_contents(plan.staging.unplace)
+    try:
+        if isinstance(plan.wanted, UndoableWanted):
+            plan.wanted.apply_undoable(loaded, undo)
+        else:
+            plan.wanted.apply(loaded)
+    except CheckpointError as exc:
+        raise exc.at(path)

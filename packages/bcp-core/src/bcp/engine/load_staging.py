@@ -103,6 +103,7 @@ class Staging:
         self._placer: ThreadPoolExecutor | None = None
         self._placing: list[Future] = []
         self._placed: set[int] = set()  # ids of the staging tensors placed as soon as they were read
+        self._previous: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live, its bytes before an undoable place)
 
     def in_host_memory(self, tensor: torch.Tensor) -> bool:
         """Whether reads may land in ``tensor`` itself: host memory, not an accelerator's."""
@@ -162,21 +163,33 @@ class Staging:
                 self._placing.append(placer.submit(self._copy_into_live, [by_staging[key]]))
         return done
 
-    def place(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def place(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], *, undoable: bool = False) -> None:
         """Put each staging tensor's values into its live tensor, ``(live, staging)`` pairs: the
-        mirrored storages by exchange, the rest by copy (those placed as they were read are)."""
+        mirrored storages by exchange, the rest by copy (those placed as they were read are). With
+        ``undoable``, :meth:`unplace` can give the live tensors their previous bytes back until
+        :meth:`release`: an exchange keeps the previous memory anyway, a copied piece's previous
+        bytes are copied to host memory first."""
         self._stop_placing()
         for future in self._placing:
             future.result()
         for mirror in self._mirrors:
             _fill_gaps(mirror)
-            exchange_storages(mirror.live, mirror.staging)
-            for tensor in mirror.tensors:
-                increment_version(tensor)  # autograd sees an in-place change, as a copy would make it
+            _exchange(mirror)
         mirrored = {id(t) for mirror in self._mirrors for t in mirror.tensors}
-        self._copy_into_live([(live, staging) for live, staging in pairs
-                              if id(live) not in mirrored and id(staging) not in self._placed])
+        copied = [(live, staging) for live, staging in pairs
+                  if id(live) not in mirrored and id(staging) not in self._placed]
+        if undoable:
+            self._previous = [(live, live.to("cpu", copy=True)) for live, _ in copied]
+        self._copy_into_live(copied)
         self._copies.hand_over()
+
+    def unplace(self) -> None:
+        """Give the live tensors placed by an undoable :meth:`place` the bytes they held before it."""
+        for mirror in self._mirrors:
+            _exchange(mirror)  # the staging storage holds the live one's previous memory, untouched
+        for live, previous in self._previous:
+            live.copy_(previous)
+        self._previous = []
 
     def release(self) -> None:
         """The buffers (after an exchange, the live tensors' previous memory) serve the next load; a
@@ -184,7 +197,7 @@ class Staging:
         self._stop_placing()
         if self._storages:
             self._pool.keep(self._storages)
-        self._mirrors, self._storages, self._placing, self._placed = [], [], [], set()
+        self._mirrors, self._storages, self._placing, self._placed, self._previous = [], [], [], set(), []
 
     def _copy_into_live(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         to_device = []
@@ -231,6 +244,12 @@ def _mirrorable(requests: list[Request], in_host_memory: Callable[[torch.Tensor]
         if 2 * sum(end - start for start, end in spans) >= storage.nbytes():
             chosen[key] = members
     return chosen
+
+
+def _exchange(mirror: _Mirror) -> None:
+    exchange_storages(mirror.live, mirror.staging)
+    for tensor in mirror.tensors:
+        increment_version(tensor)  # autograd sees an in-place change, as a copy would make it
 
 
 def _fill_gaps(mirror: _Mirror) -> None:
