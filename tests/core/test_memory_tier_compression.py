@@ -3,7 +3,8 @@ files are copied to its peer node as they are (the copies equal the originals by
 replaced node's rank loads bitwise from those copies, one rank of the surviving node alone loads
 resharded, the persisted generation is a compressed checkpoint at the persistent path; and
 incremental compressed saves refer to the unchanged chunks in the earlier generation without
-compressing them again (the chunks compressed are counted)."""
+compressing them again (the chunks compressed are counted). A save that names no compression
+(``compression=False``) is uncompressed in a compressing tier, and loads back as saved."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 import bcp
 from bcp.tools import open_checkpoint
@@ -90,3 +92,18 @@ def test_an_unknown_codec_is_refused_when_the_tier_is_made(tmp_path):
     with pytest.raises(bcp.CheckpointError, match=r"MemoryTier\(compression=\.\.\.\): unknown compression codec 'lz9'"):
         bcp.MemoryTier(local_dir=str(tmp_path), compression="lz9")
     assert bcp.MemoryTier(local_dir=str(tmp_path), compression=True).compression is True
+
+
+def test_a_save_that_names_no_compression_is_uncompressed_in_a_compressing_tier(tmp_path):
+    tier = bcp.MemoryTier(local_dir=str(tmp_path), nodes=["a"], compression=CODEC)
+    weights = torch.zeros(1 << 18)  # 1 MiB that zstd shrinks to almost nothing
+    saves = {"keyword": {"compression": False}, "options": {"options": bcp.SaveOptions(compression=False)},
+             "asynchronous": {"compression": False, "async_save": True}, "tier's own": {}}
+    for how, keywords in saves.items():
+        bcp.save(tier, {"model": {"weights": weights}}, **keywords).wait()
+        manifest = open_checkpoint(tmp_path / "node-a").manifest
+        compressed = manifest.tensors["model/weights"].shards[0].bytes.stored_nbytes < weights.nbytes
+        assert compressed == (how == "tier's own") and (manifest.version == 4) == compressed, how
+        loaded = {"model": {"weights": torch.ones_like(weights)}}
+        bcp.load(tier, loaded)
+        assert torch.equal(loaded["model"]["weights"], weights), how

@@ -93,9 +93,10 @@ def start(layout: Layout, bcp_dir: str, reference_dir: str) -> tuple[list, float
         return saved, train_step(ddp, optimizer, TRAINED_STEPS)
 
 
-def resume(layout: Layout, step: int, source: tuple[str, str], target: tuple[str, str]) -> dict:
+def resume(layout: Layout, step: int, source: tuple[str, str], target: tuple[str, str] | None) -> dict:
     """Loads ``source`` (bcp, torch_dist) into ``layout``, compares, trains step ``step`` from both,
-    saves the bcp-resumed state to ``target`` and returns what the test compares across ranks."""
+    saves the bcp-resumed state to ``target`` (None: the chain's last layout, which nothing loads
+    from) and returns what the test compares across ranks."""
     with cpu_megatron_optimizer(), parallel(layout.tp, layout.pp, layout.ep):
         reference_model, reference_ddp, reference_optimizer = load(layout, source[1])
         model, ddp, optimizer = load(layout, source[0])
@@ -107,9 +108,10 @@ def resume(layout: Layout, step: int, source: tuple[str, str], target: tuple[str
             steps = adam_steps(optimizer)
             assert steps == adam_steps(reference_optimizer) == [float(step)], (steps, step)
         loss, reference_loss = train_step(ddp, optimizer, step), train_step(reference_ddp, reference_optimizer, step)
-        saved = save_both(model, optimizer, *target)
-        return {"loaded": loaded, "loss": loss, "reference_loss": reference_loss, "saved": saved,
-                "next_loss": train_step(ddp, optimizer, step + 1)}
+        result = {"loaded": loaded, "loss": loss, "reference_loss": reference_loss}
+        if target is not None:
+            result.update(saved=save_both(model, optimizer, *target), next_loss=train_step(ddp, optimizer, step + 1))
+        return result
 
 
 def _by_box(pieces: list) -> dict[str, torch.Tensor]:
@@ -121,8 +123,9 @@ def _by_box(pieces: list) -> dict[str, torch.Tensor]:
 
 def run_chain(ranks, tmp_path, chain: list[Layout]) -> dict[str, torch.Tensor]:
     """Saves in ``chain[0]``, then moves through the rest; returns the first save's whole tensors."""
-    dirs = [(str(tmp_path / f"bcp{i}"), str(tmp_path / f"torch_dist{i}")) for i in range(len(chain))]
-    for path in (path for pair in dirs for path in pair):
+    # the last layout saves nothing: no move loads from it
+    dirs = [(str(tmp_path / f"bcp{i}"), str(tmp_path / f"torch_dist{i}")) for i in range(len(chain) - 1)] + [None]
+    for path in (path for pair in dirs[:-1] for path in pair):
         os.makedirs(path)  # dist_checkpointing.save expects the directory (Megatron-LM creates it)
     per_rank = ranks(chain[0].world).run(start, chain[0], *dirs[0])
     first = saved = assemble([pieces for pieces, _ in per_rank])
@@ -140,7 +143,8 @@ def run_chain(ranks, tmp_path, chain: list[Layout]) -> dict[str, torch.Tensor]:
             assert loss == next_loss, (layout, loss, next_loss)
         else:
             assert math.isclose(loss, next_loss, rel_tol=1e-5), (previous, layout, loss, next_loss)
-        saved, next_loss = assemble([r["saved"] for r in results]), results[0]["next_loss"]
+        if dirs[i] is not None:
+            saved, next_loss = assemble([r["saved"] for r in results]), results[0]["next_loss"]
     return first
 
 

@@ -47,6 +47,17 @@ def test_usage_errors_exit_2_with_the_reason(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["edit", "copy", "convert"])
+@pytest.mark.parametrize("argv,src", [
+    (["--compress", "SRC", "OUT"], "SRC"), (["SRC", "--compress", "OUT"], "SRC"), (["SRC", "OUT", "--compress"], "SRC"),
+    (["--compress=zstd", "SRC", "OUT"], "SRC"), (["--compress", "zstd", "SRC", "OUT"], "SRC"),
+    (["SRC", "OUT", "--compress", "zstd"], "SRC"), (["--compress", "--", "zstd", "OUT"], "zstd"),
+])
+def test_compress_takes_the_next_word_for_its_codec_only_where_it_names_one(command, argv, src):
+    args = build_parser().parse_args([command, *argv])
+    assert (args.src, args.out, args.compress) == (src, "OUT", "zstd")
+
+
 @pytest.mark.parametrize("argv", [
     ["inspect", "{missing}"], ["verify", "{missing}"], ["export", "{missing}", "--to", "safetensors", "{out}"],
     ["convert", "--from", "bcp", "{missing}", "{out}"], ["convert", "--from", "hf", "{missing}", "{out}"],

@@ -62,8 +62,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose ``--compress`` (on the commands that have it) takes the next word as
+    its codec only where that word names one: ``bcp edit --compress SRC OUT`` compresses SRC with the
+    default codec, where argparse alone would take SRC for the codec's name. ``--compress=CODEC``
+    always names it."""
+
+    compress_flag = False  # the commands with --compress[=CODEC] set it
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        if self.compress_flag and args is not None:  # a command's parser: always given its words
+            args = _codec_named(args)
+        return super().parse_known_args(args, namespace)
+
+
+def _codec_named(args: Sequence[str]) -> list[str]:
+    """``args`` with each ``--compress`` that no codec's name follows written ``--compress=<default>``."""
+    words = list(args)
+    for i, word in enumerate(words):
+        if word == "--":  # what follows is positional
+            break
+        if word == "--compress" and (i + 1 == len(words) or words[i + 1] not in CODECS):
+            words[i] = f"--compress={Compression().codec}"
+    return words
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="bcp", description="Inspect, verify, export, convert, edit and copy bcp checkpoints; report on saves and loads.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -168,8 +194,9 @@ def _source(parser: argparse.ArgumentParser, metavar: str, generation: bool = Tr
         parser.add_argument("--generation", type=int, help="a committed generation other than the newest")
 
 
-def _compression_options(parser: argparse.ArgumentParser, keeps: bool) -> None:
+def _compression_options(parser: _Parser, keeps: bool) -> None:
     """``--compress[=CODEC]`` and (for a bcp source, whose compression is otherwise kept) ``--decompress``."""
+    parser.compress_flag = True
     group = parser.add_mutually_exclusive_group()
     default = SOURCE if keeps else None
     group.add_argument("--compress", nargs="?", const=Compression().codec, default=default, choices=CODECS,

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 import bcp
-from bcp.integration import DEFAULT_IO_THREADS, as_coordinator
+from bcp.integration import as_coordinator
 
 from bcp_megatron.adapter import NAME as ADAPTER_NAME
 from bcp_megatron.adapter import MegatronValues

@@ -23,7 +23,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 
 import bcp
-from bcp.integration import Coordinator
+from bcp.integration import DEFAULT_IO_THREADS, Coordinator
 
 from bcp_megatron.adapter import MegatronAdapter
 from bcp_megatron.common_state import is_bcp_checkpoint
@@ -31,7 +31,7 @@ from bcp_megatron.completion import completion_request
 from bcp_megatron.errors import as_megatron_errors
 from bcp_megatron.load import BcpLoader, read_manifest, sharded_metadata, tensors_metadata
 from bcp_megatron.removal import remove_sharded
-from bcp_megatron.saving import DEFAULT_IO_THREADS, DEFAULT_KEEP_GENERATIONS, BcpSaver
+from bcp_megatron.saving import DEFAULT_KEEP_GENERATIONS, BcpSaver
 from bcp_megatron.version import BACKEND, VERSION
 
 # Megatron-Core 0.17 added torch_dist's cache_metadata option; 0.16's strategy takes no arguments.

@@ -107,13 +107,16 @@ class SaveOptions(_CommonOptions):
     """Compress the tensors' bytes losslessly, each checksum chunk on its own: ``"zstd"`` (or
     ``True``, or ``bcp.Compression(level=...)``; floating-point data coded in byte planes); a chunk
     that does not shrink is stored raw. Runs on the writer threads after staging, so an asynchronous
-    save blocks no longer. Off by default (format version 4 where on; docs/format.md)."""
+    save blocks no longer. Off by default (format version 4 where on; docs/format.md). None (not
+    named) saves into a ``bcp.MemoryTier`` with the tier's own ``compression``; ``False`` names "none":
+    uncompressed there too. Kept as a ``bcp.Compression``, ``False`` or None."""
 
     def __post_init__(self) -> None:
         if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0):
             raise CheckpointError(f"step must be a non-negative int (the training step), got {self.step!r}")
         try:  # kept as the record it names, so every reader of the options sees one type
-            object.__setattr__(self, "compression", Compression.of(self.compression))
+            if self.compression is not False:  # False stays: "none", named, which a tier's own does not replace
+                object.__setattr__(self, "compression", Compression.of(self.compression))
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
 

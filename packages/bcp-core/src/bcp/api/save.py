@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
@@ -118,6 +118,8 @@ def save_at(path: Any, locate: Callable[[], Location], state: Mapping[str, Any],
     if options.overlap and not options.async_save:
         raise CheckpointError("overlap=True overlaps an asynchronous save's copy with training: pass async_save=True "
                               "too", path=str(path))
+    if options.compression is False:  # "none", named so that a target's own did not replace it: none
+        options = replace(options, compression=None)
     runtime().background.snapshots.wait()  # an overlapped save's copy may still read the tensors
     coord = as_coordinator(options.coordinator)
     stats = PhaseStats()

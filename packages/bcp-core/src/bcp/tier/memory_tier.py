@@ -47,8 +47,9 @@ class MemoryTier:
     (default: ``BCP_NODE``, else the host name, told apart by torchrun's node rank where several
     launcher nodes share a host). ``name``: the folder under ``/dev/shm`` when
     ``local_dir`` is not given (default: derived from ``persistent``). ``compression``: the codec of
-    every save to the tier that does not name one (``bcp.save(..., compression=...)``); the compressed
-    files are replicated and persisted as they are. Picklable."""
+    every save to the tier that does not name one (``bcp.save(..., compression=...)``; a save that
+    passes ``compression=False`` is uncompressed); the compressed files are replicated and persisted
+    as they are. Picklable."""
 
     persistent: "str | os.PathLike | Storage | None" = None
     _: KW_ONLY
@@ -86,7 +87,7 @@ class MemoryTier:
         return f"memory tier {self.folder}"
 
     def save_state(self, state: Mapping[str, Any], options: SaveOptions) -> SaveHandle:
-        if options.compression is None and self.compression is not None:
+        if options.compression is None and self.compression is not None:  # False: named "none"
             options = dataclasses.replace(options, compression=self.compression)
         coord = as_coordinator(options.coordinator)
         placement = Placement.of(self._nodes(coord), self.replicas)
