@@ -10,7 +10,7 @@ than the whole file.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from bcp.storage.names import flat_bytes
@@ -26,8 +26,9 @@ class PartedUpload(Protocol):
 
     def begin(self) -> None: ...
 
-    def send(self, index: int, body: bytes) -> None:
-        """Part ``index`` (from 0): ``body``, the file's bytes from ``index * part_bytes``."""
+    def send(self, index: int, body: Sequence[memoryview]) -> None:
+        """Part ``index`` (from 0): the consecutive bytes of ``body``, the file's from
+        ``index * part_bytes``."""
 
     def finish(self) -> None: ...
 
@@ -45,11 +46,12 @@ class PartedWrites(Protocol):
         """The upload of ``name`` in parts, not yet begun."""
 
 
-def part_bodies(views: Iterable[memoryview], part_bytes: int) -> Iterator[tuple[bytes, bool]]:
+def part_bodies(views: Iterable[memoryview], part_bytes: int) -> Iterator[tuple[list[memoryview], bool]]:
     """The consecutive bytes of ``views`` as part bodies of ``part_bytes`` (the last one shorter, or
-    empty for no bytes at all), each with whether it is the last. A body is cut once a byte after it
-    has come, so a file of exactly one part is known to be one; views are drawn only as far as
-    that needs. Each body is one ``bytes``: the HTTP client sends it in one write."""
+    empty for no bytes at all), each a list of views with whether it is the last. A body is cut
+    once a byte after it has come, so a file of exactly one part is known to be one; views are
+    drawn only as far as that needs. Bodies are views, not copies: a part's bytes are joined by the
+    thread that sends it (:func:`joined`), not by the writer thread that produces the next."""
     held: list[memoryview] = []
     nbytes = 0
     for view in views:
@@ -59,20 +61,21 @@ def part_bodies(views: Iterable[memoryview], part_bytes: int) -> Iterator[tuple[
             body, held = _cut(held, part_bytes)
             nbytes -= part_bytes
             yield body, False
-    yield _joined(held), True
+    yield held, True
 
 
-def _cut(held: list[memoryview], nbytes: int) -> tuple[bytes, list[memoryview]]:
-    """The first ``nbytes`` of ``held`` joined, and the views of what follows them."""
+def _cut(held: list[memoryview], nbytes: int) -> tuple[list[memoryview], list[memoryview]]:
+    """The views of the first ``nbytes`` of ``held``, and of what follows them."""
     for index, view in enumerate(held):
         if view.nbytes >= nbytes:
-            return _joined([*held[:index], view[:nbytes]]), [view[nbytes:], *held[index + 1:]]
+            return [*held[:index], view[:nbytes]], [view[nbytes:], *held[index + 1:]]
         nbytes -= view.nbytes
     raise ValueError(f"fewer than {nbytes} bytes held")
 
 
-def _joined(views: list[memoryview]) -> bytes:
-    """The views' bytes as one ``bytes``; a whole ``bytes`` object alone is not copied again."""
+def joined(views: Sequence[memoryview]) -> bytes:
+    """The views' bytes as one ``bytes`` (the HTTP clients send it in one write); a whole ``bytes``
+    object alone is not copied again."""
     if len(views) == 1 and isinstance(views[0].obj, bytes) and views[0].nbytes == len(views[0].obj):
         return views[0].obj
     return b"".join(views)

@@ -126,11 +126,11 @@ class RetryingStorage(Storage):
         bodies = part_bodies(chunks, self.inner.part_bytes)
         first, last = next(bodies)
         if last:  # one part: one PUT (a multipart upload costs three requests more)
-            self._call(f"writing {self._where(name)}", lambda: self.inner.write_file(name, [memoryview(first)]))
+            self._call(f"writing {self._where(name)}", lambda: self.inner.write_file(name, first))
         else:
             self._write_parts(name, self.inner.parted_upload(name), chain([(first, last)], bodies))
 
-    def _write_parts(self, name: str, upload: PartedUpload, bodies: Iterator[tuple[bytes, bool]]) -> None:
+    def _write_parts(self, name: str, upload: PartedUpload, bodies: Iterator[tuple[list[memoryview], bool]]) -> None:
         """Begins the upload, sends each part as soon as ``bodies`` cuts it (the caller's thread goes
         on producing the next while up to ``upload.parallel`` are sent), then completes it; aborts it
         on any failure, the stream's own included (an abandoned save), once no part is in flight."""
@@ -140,12 +140,14 @@ class RetryingStorage(Storage):
             sending: set[Future[None]] = set()
             offset = 0
             for index, (body, _) in enumerate(bodies):
-                # bounded memory: the next part is cut only once one of the parts held is sent
+                nbytes = sum(view.nbytes for view in body)
+                # bounded memory: a part cut while `parallel` are being sent waits here for one of them
+                # to end, and the stream is not drawn meanwhile
                 sending = _settled(sending, block=len(sending) >= upload.parallel)
-                sending.add(pool.submit(self._call, f"writing {self._where(name, offset, len(body))}",
+                sending.add(pool.submit(self._call, f"writing {self._where(name, offset, nbytes)}",
                                         partial(upload.send, index, body)))
-                offset += len(body)
-                del body
+                offset += nbytes
+                del body  # held by its send alone while the next part is cut
             while sending:
                 sending = _settled(sending, block=True)
             self._call(f"completing the upload of {self._where(name)}", upload.finish)

@@ -24,7 +24,7 @@ from typing import Any
 
 from bcp.errors import StorageError
 from bcp.storage.names import child_names, join_key, split_url
-from bcp.storage.parted_writes import part_bodies
+from bcp.storage.parted_writes import joined, part_bodies
 from bcp.storage.range_reads import RangeReads, cut_views, request_spans
 from bcp.storage.retry import RetryingStorage, RetryPolicy
 from bcp.storage.s3_connection import MAX_REQUESTS, S3RequestError, S3Settings, connect
@@ -119,11 +119,11 @@ class S3Objects(RangeReads):
         first, last = next(bodies)
         if last:  # a multipart upload costs 3 requests more
             with self._request(name):
-                self._ob.put(self._store, self._key(name), first, use_multipart=False)
+                self._ob.put(self._store, self._key(name), joined(first), use_multipart=False)
             return
         parallel = self.connection.slots.limit
         with self._request(name, parallel):
-            self._ob.put(self._store, self._key(name), chain([first], (body for body, _ in bodies)),
+            self._ob.put(self._store, self._key(name), (joined(body) for body in chain([first], (body for body, _ in bodies))),
                          chunk_size=self.part_bytes, max_concurrency=parallel)
 
     def put_if_absent(self, name: str, data: bytes) -> bool:

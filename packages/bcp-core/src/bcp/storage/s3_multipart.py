@@ -12,6 +12,9 @@ It retries nothing: :class:`MultipartUpload` is driven, and each of its steps re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from bcp.storage.parted_writes import joined
 from bcp.storage.s3_connection import S3Connection, S3RequestError
 
 MIN_PART_BYTES = 5 << 20
@@ -46,14 +49,15 @@ class MultipartUpload:
                            **self._connection.upload_params)
         self._upload_id = reply["UploadId"]
 
-    def send(self, index: int, body: bytes) -> None:
+    def send(self, index: int, body: Sequence[memoryview]) -> None:
+        data = joined(body)  # here, on the sending thread: botocore sends one bytes in one write
         extra = {"ChecksumAlgorithm": self._checksum} if self._checksum else {}
         reply = self._call("upload_part", self._where(f"UploadPart {index + 1}"), UploadId=self._upload_id,
-                           PartNumber=index + 1, Body=body, **extra)
+                           PartNumber=index + 1, Body=data, **extra)
         part = {"PartNumber": index + 1, "ETag": reply["ETag"]}
         if self._checksum:
             part[f"Checksum{self._checksum}"] = reply[f"Checksum{self._checksum}"]
-        self._sent[index], self._sizes[index] = part, len(body)
+        self._sent[index], self._sizes[index] = part, len(data)
 
     def finish(self) -> None:
         self._finish_tries += 1
