@@ -93,26 +93,36 @@ def _s3(record: Record) -> list[str]:
             if not raw:
                 continue
             lines += [f"### {label} {title}, {raw / MB:.0f} MB", "",
-                      "| method | save s | load s | save MB/s per core | load MB/s per core | save vs bcp | load vs bcp |",
+                      "| method | save s (min-max) | load s (min-max) | save MB/s per core | load MB/s per core | "
+                      "save vs bcp | load vs bcp |",
                       "| --- | --- | --- | --- | --- | --- | --- |"]
-            lines += [f"| {method} | " + _timings(record, label, where, method) for method in record.samples[save_case]]
+            lines += [f"| {method} | " + _timings(record, label, where, method, spread=True)
+                      for method in record.samples[save_case]]
             lines.append("")
     if lines:
         lines += [("The server runs on the same machine: its CPU time is not in `MB/s per core` (this "
                    "process's only), and it competes for the cores with the client's compression. The emulated "
-                   "link is a TCP proxy in this process that paces the bytes each way (no latency, no loss)."), ""]
+                   "link is a TCP proxy in a process of its own that paces the bytes each way (no latency, no loss); "
+                   "uncompressed and compressed rounds alternate."), ""]
     return lines
 
 
-def _timings(record: Record, label: str, where: str, method: str) -> str:
-    """A checkpoint row's cells from the save's: median save and load seconds, MB/s per core of each,
-    and uncompressed bcp's median times over these."""
+def _timings(record: Record, label: str, where: str, method: str, spread: bool = False) -> str:
+    """A checkpoint row's cells from the save's: median save and load seconds (with the fastest and
+    slowest rounds where ``spread``), MB/s per core of each, and uncompressed bcp's median times
+    over these."""
     save_case, load_case = case(label, "save", where), case(label, "cold load", where)
     raw = record.nbytes[save_case]
     save, load = record.median(save_case, method), record.median(load_case, method)
-    return (f"{save:.3g} | {load:.3g} | {_rate(raw, _cpu(record, save_case, method))} | "
+    return (f"{_seconds(record, save_case, method, spread)} | {_seconds(record, load_case, method, spread)} | "
+            f"{_rate(raw, _cpu(record, save_case, method))} | "
             f"{_rate(raw, _cpu(record, load_case, method))} | {_x(ratio(record.median(save_case, BCP), save))} | "
             f"{_x(ratio(record.median(load_case, BCP), load))} |")
+
+
+def _seconds(record: Record, which: str, method: str, spread: bool) -> str:
+    values = record.samples[which][method]
+    return f"{statistics.median(values):.3g}" + (f" ({min(values):.3g}-{max(values):.3g})" if spread else "")
 
 
 def _cpu(record: Record, where: str, method: str) -> float | None:

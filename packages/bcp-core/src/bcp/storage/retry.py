@@ -7,9 +7,9 @@ pause until the policy's budget is spent; a permanent error fails at once. Missi
 final failure is a :class:`bcp.StorageError` naming the URL, the file, the byte range, the attempts
 and the cause. Every retry is logged on the ``bcp.storage`` logger and counted in ``stats``.
 
-A large file on a backend that can upload it in parts (:class:`PartedWrites`, S3's multipart
-upload) is written part by part, each part its own retried operation: a transient failure sends
-that part again, not the whole file.
+A large file on a backend that can upload it in parts (:class:`~bcp.storage.parted_writes.PartedWrites`,
+S3's multipart upload) is written part by part as the writer produces its bytes, each part its own
+retried operation: a transient failure sends that part again, not the whole file.
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol, TypeVar, runtime_checkable
+from itertools import chain
+from typing import Protocol, TypeVar
 
 from bcp.errors import StorageError
 from bcp.storage.base import Storage
+from bcp.storage.parted_writes import PartedUpload, PartedWrites, part_bodies
 from bcp.storage.range_reads import ViewReads
 
 log = logging.getLogger("bcp.storage")
@@ -78,32 +80,6 @@ class Classified(Protocol):
     def is_transient(self, exc: BaseException) -> bool: ...
 
 
-class PartedUpload(Protocol):
-    """One file written as parts: :meth:`begin`, :meth:`send` each part (any order, ``parallel`` at
-    once), :meth:`finish`; :meth:`abort` (best effort) if it cannot finish. Every step is one request,
-    safe to repeat, so the retrying layer retries each on its own."""
-
-    parts: Sequence[tuple[int, int]]
-    """``(offset, nbytes)`` of each part in the file."""
-    parallel: int
-
-    def begin(self) -> None: ...
-
-    def send(self, index: int) -> None: ...
-
-    def finish(self) -> None: ...
-
-    def abort(self) -> None: ...
-
-
-@runtime_checkable
-class PartedWrites(Protocol):
-    """A backend that can write a large file as separately retried parts."""
-
-    def parted_upload(self, name: str, views: Sequence[memoryview]) -> PartedUpload | None:
-        """The upload of ``views`` as ``name`` in parts, not yet begun; None to write it whole."""
-
-
 class RetryingStorage(Storage):
     """``inner``'s operations, each retried on transient errors under ``policy``."""
 
@@ -141,35 +117,50 @@ class RetryingStorage(Storage):
         return f"{self.root}/{name}{span}"
 
     def write_file(self, name: str, chunks: Iterable[memoryview]) -> None:
-        # A retried upload must send the same bytes again, so the stream is drawn once, here; its
-        # views point into tensors the saver holds anyway, so this keeps references, not copies.
-        views = list(chunks)
-        upload = self.inner.parted_upload(name, views) if isinstance(self.inner, PartedWrites) else None
-        if upload is None:
+        if not isinstance(self.inner, PartedWrites):
+            # A retried write must send the same bytes again, so the stream is drawn once, here; its
+            # views point into tensors the saver holds anyway, so this keeps references, not copies.
+            views = list(chunks)
             self._call(f"writing {self._where(name)}", lambda: self.inner.write_file(name, views))
+            return
+        bodies = part_bodies(chunks, self.inner.part_bytes)
+        first, last = next(bodies)
+        if last:  # one part: one PUT (a multipart upload costs three requests more)
+            self._call(f"writing {self._where(name)}", lambda: self.inner.write_file(name, first))
         else:
-            self._write_parts(name, upload)
+            self._write_parts(name, self.inner.parted_upload(name), chain([(first, last)], bodies))
 
-    def _write_parts(self, name: str, upload: PartedUpload) -> None:
+    def _write_parts(self, name: str, upload: PartedUpload, bodies: Iterator[tuple[list[memoryview], bool]]) -> None:
+        """Begins the upload, sends each part as soon as ``bodies`` cuts it (the caller's thread goes
+        on producing the next while up to ``upload.parallel`` are sent), then completes it; aborts it
+        on any failure, the stream's own included (an abandoned save), once no part is in flight."""
         self._call(f"starting the upload of {self._where(name)}", upload.begin)
+        pool = ThreadPoolExecutor(upload.parallel, thread_name_prefix="bcp-upload-part")
         try:
-            with ThreadPoolExecutor(upload.parallel, thread_name_prefix="bcp-upload-part") as pool:
-                sends = [pool.submit(self._call, f"writing {self._where(name, offset, nbytes)}",
-                                     partial(upload.send, index))
-                         for index, (offset, nbytes) in enumerate(upload.parts)]
-                for sent in as_completed(sends):
-                    if sent.exception() is not None:  # a part failed for good: send no more
-                        for other in sends:
-                            other.cancel()
-                    sent.result()
+            sending: set[Future[None]] = set()
+            offset = 0
+            for index, (body, _) in enumerate(bodies):
+                nbytes = sum(view.nbytes for view in body)
+                # bounded memory: a part cut while `parallel` are being sent waits here for one of them
+                # to end, and the stream is not drawn meanwhile
+                sending = _settled(sending, block=len(sending) >= upload.parallel)
+                sending.add(pool.submit(self._call, f"writing {self._where(name, offset, nbytes)}",
+                                        partial(upload.send, index, body)))
+                offset += nbytes
+                del body  # held by its send alone while the next part is cut
+            while sending:
+                sending = _settled(sending, block=True)
             self._call(f"completing the upload of {self._where(name)}", upload.finish)
         except BaseException:
+            pool.shutdown(cancel_futures=True)  # no part lands after the abort
             try:  # once: an upload left behind costs storage, but the error to report is the first one
                 upload.abort()
             except Exception as exc:  # noqa: BLE001 - logged; the upload's own error is raised
                 log.warning("could not abort the upload of %s, leaving its parts to the bucket's lifecycle "
                             "rules: %r", self._where(name), exc)
             raise
+        finally:
+            pool.shutdown()
 
     def put_if_absent(self, name: str, data: bytes) -> bool:
         tries = 0
@@ -216,6 +207,15 @@ class RetryingStorage(Storage):
 
     def delete_tree(self, prefix: str) -> None:
         self._call(f"deleting {self._where(prefix)}", lambda: self.inner.delete_tree(prefix))
+
+
+def _settled(sending: set[Future[None]], block: bool) -> set[Future[None]]:
+    """The sends of ``sending`` still running, after waiting for one to end where ``block``; a send
+    that failed for good raises its error (no further part is cut or sent)."""
+    done, running = wait(sending, timeout=None if block else 0, return_when=FIRST_COMPLETED)
+    for sent in done:
+        sent.result()
+    return running
 
 
 def _is_transient(inner: object, exc: BaseException) -> bool:

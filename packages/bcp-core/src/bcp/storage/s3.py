@@ -10,7 +10,7 @@ runs a whole multipart upload inside one call and a failed part would cost the w
 ``S3Objects`` issues each operation once; ``S3Storage`` is what users name: the same, retried
 (neither client retries on its own: its retries would be neither logged nor counted). A file larger
 than one part is handed to the retrying layer as a :class:`~bcp.storage.s3_multipart.MultipartUpload`
-whose parts are retried one by one. Every request holds one of the store's request slots
+whose parts are sent as the writer produces them and retried one by one. Every request holds one of the store's request slots
 (``max_requests``, shared by every storage of the store in the process).
 """
 
@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain
 from typing import Any
 
 from bcp.errors import StorageError
-from bcp.storage.names import child_names, flat_bytes, join_key, split_url
+from bcp.storage.names import child_names, join_key, split_url
+from bcp.storage.parted_writes import joined, part_bodies
 from bcp.storage.range_reads import RangeReads, cut_views, request_spans
 from bcp.storage.retry import RetryingStorage, RetryPolicy
 from bcp.storage.s3_connection import MAX_REQUESTS, S3RequestError, S3Settings, connect
@@ -58,7 +60,8 @@ class S3Objects(RangeReads):
         if part_bytes < MIN_PART_BYTES:
             raise ValueError(f"part_bytes={part_bytes}: S3 parts are at least {MIN_PART_BYTES} bytes")
         self.root = url.rstrip("/")
-        self._part_bytes = part_bytes
+        self.part_bytes = part_bytes
+        """The multipart part size (``PartedWrites``)."""
         settings = S3Settings(
             endpoint_url=endpoint_url, region=region, profile=profile, access_key_id=access_key_id,
             secret_access_key=secret_access_key, session_token=session_token, ca_bundle=ca_bundle,
@@ -78,13 +81,9 @@ class S3Objects(RangeReads):
         # obstore raises the builtin FileNotFoundError for a 404 on some calls, its own type on others
         self._not_found = (FileNotFoundError, obstore.exceptions.NotFoundError)
 
-    def parted_upload(self, name: str, views: Sequence[memoryview]) -> MultipartUpload | None:
-        """A file larger than one part as a multipart upload whose parts are retried one by one; None
-        (one PUT) for a file of one part."""
-        views = [flat_bytes(v) for v in views]
-        if sum(v.nbytes for v in views) <= self._part_bytes:
-            return None
-        return MultipartUpload(self.connection, self._key(name), views, self._part_bytes)
+    def parted_upload(self, name: str) -> MultipartUpload:
+        """A file larger than one part as a multipart upload whose parts are retried one by one."""
+        return MultipartUpload(self.connection, self._key(name))
 
     def _key(self, name: str) -> str:
         return join_key(self._prefix, name)
@@ -116,15 +115,16 @@ class S3Objects(RangeReads):
     def write_file(self, name: str, chunks: Iterable[memoryview]) -> None:
         """One PUT for a file of one part; a larger one (only when this class is used unretried:
         :class:`S3Storage` sends it through :meth:`parted_upload`) as obstore's multipart upload."""
-        views = [flat_bytes(c) for c in chunks]
-        if sum(v.nbytes for v in views) <= self._part_bytes:  # a multipart upload costs 3 requests more
+        bodies = part_bodies(chunks, self.part_bytes)
+        first, last = next(bodies)
+        if last:  # a multipart upload costs 3 requests more
             with self._request(name):
-                self._ob.put(self._store, self._key(name), b"".join(views), use_multipart=False)
+                self._ob.put(self._store, self._key(name), joined(first), use_multipart=False)
             return
         parallel = self.connection.slots.limit
         with self._request(name, parallel):
-            self._ob.put(self._store, self._key(name), iter(views), chunk_size=self._part_bytes,
-                         max_concurrency=parallel)
+            self._ob.put(self._store, self._key(name), (joined(body) for body in chain([first], (body for body, _ in bodies))),
+                         chunk_size=self.part_bytes, max_concurrency=parallel)
 
     def put_if_absent(self, name: str, data: bytes) -> bool:
         errors = self._ob.exceptions
@@ -140,12 +140,12 @@ class S3Objects(RangeReads):
     def read_range(self, name: str, offset: int, nbytes: int) -> list[Any]:
         """Ranged GETs of about one part each, in parallel, as many at once as the store's request
         cap lets one call hold."""
-        return self._get(name, request_spans(offset, nbytes, self._part_bytes))
+        return self._get(name, request_spans(offset, nbytes, self.part_bytes))
 
     def read_views(self, name: str, offset: int, sizes: Sequence[int]) -> list[memoryview]:
         """As :meth:`read_range`, cut into one view per size: a view inside one GET is a slice of its
         buffer, a view across two GETs is joined (a copy)."""
-        return cut_views(self._get(name, request_spans(offset, sum(sizes), self._part_bytes)), sizes,
+        return cut_views(self._get(name, request_spans(offset, sum(sizes), self.part_bytes)), sizes,
                          lambda end: f"{self.root}/{name}: file ends before byte {offset + end}")
 
     def _get(self, name: str, spans: list[tuple[int, int]]) -> list[Any]:

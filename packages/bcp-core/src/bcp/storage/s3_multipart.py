@@ -12,9 +12,9 @@ It retries nothing: :class:`MultipartUpload` is driven, and each of its steps re
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 
+from bcp.storage.parted_writes import joined
 from bcp.storage.s3_connection import S3Connection, S3RequestError
 
 MIN_PART_BYTES = 5 << 20
@@ -23,19 +23,15 @@ MIN_PART_BYTES = 5 << 20
 
 class MultipartUpload:
     """One file as an S3 multipart upload: :meth:`begin`, then :meth:`send` every part (in any order,
-    up to ``parallel`` at once), then :meth:`finish`; :meth:`abort` if it cannot finish. Each step is
-    one request, safe to repeat: a part sent again replaces itself."""
+    up to ``parallel`` at once, each as it is cut from the writer's stream), then :meth:`finish`;
+    :meth:`abort` if it cannot finish. Each step is one request, safe to repeat: a part sent again
+    replaces itself."""
 
-    def __init__(self, connection: S3Connection, key: str, views: Sequence[memoryview], part_bytes: int) -> None:
-        self._connection, self._key, self._views = connection, key, views
-        self._starts = [0]
-        for view in views:
-            self._starts.append(self._starts[-1] + view.nbytes)
-        size = self._starts[-1]
-        self.parts = [(offset, min(part_bytes, size - offset)) for offset in range(0, size, part_bytes)]
-        """``(offset, nbytes)`` of each part in the file."""
+    def __init__(self, connection: S3Connection, key: str) -> None:
+        self._connection, self._key = connection, key
         self.parallel = connection.slots.limit  # the store's cap bounds the parts in flight
-        self._sent: list[dict[str, str] | None] = [None] * len(self.parts)
+        self._sent: dict[int, dict[str, str]] = {}
+        self._sizes: dict[int, int] = {}
         self._checksum = connection.upload_params.get("ChecksumAlgorithm")
         self._upload_id: str | None = None
         self._finish_tries = 0
@@ -53,21 +49,21 @@ class MultipartUpload:
                            **self._connection.upload_params)
         self._upload_id = reply["UploadId"]
 
-    def send(self, index: int) -> None:
-        offset, nbytes = self.parts[index]
+    def send(self, index: int, body: Sequence[memoryview]) -> None:
+        data = joined(body)  # here, on the sending thread: botocore sends one bytes in one write
         extra = {"ChecksumAlgorithm": self._checksum} if self._checksum else {}
         reply = self._call("upload_part", self._where(f"UploadPart {index + 1}"), UploadId=self._upload_id,
-                           PartNumber=index + 1, Body=self._body(offset, nbytes), **extra)
+                           PartNumber=index + 1, Body=data, **extra)
         part = {"PartNumber": index + 1, "ETag": reply["ETag"]}
         if self._checksum:
             part[f"Checksum{self._checksum}"] = reply[f"Checksum{self._checksum}"]
-        self._sent[index] = part
+        self._sent[index], self._sizes[index] = part, len(data)
 
     def finish(self) -> None:
         self._finish_tries += 1
         try:
             self._call("complete_multipart_upload", self._where("CompleteMultipartUpload"), UploadId=self._upload_id,
-                       MultipartUpload={"Parts": self._sent})
+                       MultipartUpload={"Parts": [self._sent[i] for i in sorted(self._sent)]})
         except S3RequestError as exc:
             # an earlier try whose reply was lost completed the upload: the object is there, whole
             if exc.code == "NoSuchUpload" and self._finish_tries > 1 and self._completed():
@@ -83,19 +79,4 @@ class MultipartUpload:
             reply = self._call("head_object", self._where("HeadObject"))
         except S3RequestError:
             return False
-        return reply.get("ContentLength") == self._starts[-1]
-
-    def _body(self, offset: int, nbytes: int) -> bytes:
-        """The part's bytes, gathered from the caller's buffers (a part may span several): botocore
-        sends ``bytes`` in one write, where a stream over the buffers would cost a Python call per
-        16 KiB block."""
-        slices, end = [], offset + nbytes
-        index = bisect.bisect_right(self._starts, offset) - 1
-        while offset < end:
-            start = self._starts[index]
-            view = self._views[index][offset - start:min(end - start, self._views[index].nbytes)]
-            if view.nbytes:
-                slices.append(view)
-                offset += view.nbytes
-            index += 1
-        return b"".join(slices)
+        return reply.get("ContentLength") == sum(self._sizes.values())
