@@ -3,7 +3,12 @@ read into the same live tensors, on states held as plain dicts of tensors of the
 few large tensors (15, the largest about 30% of the bytes) and the GPT-like state of about 100
 tensors. One process; the staging buffers are reused from load to load (the untimed warm-up round
 allocates them), as a process that loads repeatedly finds them. Each bcp load's own phases are kept,
-so the report says what share of the load placing the staged bytes (``apply``) takes."""
+so the report says what share of the load placing the staged bytes (``apply``) takes.
+
+The methods run in interleaved rounds (raw, bcp, raw, bcp, ... in a rotating order), at least
+``MIN_ROUNDS`` of them: on a shared disk a cold read's time moves by tens of percent from minute to
+minute, so the figure judged is the median over rounds of each round's own ratio (the raw read's
+seconds over the load's, both read within seconds of each other), shown with its spread."""
 
 from __future__ import annotations
 
@@ -28,6 +33,9 @@ PHASES = "bcp load phases, "  # + case: the timed default loads' phase seconds
 # MB of each tensor of the few-large state, scaled to the run's size: the largest holds 29% of the bytes
 LARGE_SHARES = (262, 160, 120, 80, 64, 48, 40, 32, 24, 20, 16, 12, 8, 4, 2)
 ONE = Group()
+# Rounds at least (whatever the profile's repetitions): one cold read of the same 0.9 GB took from
+# 0.26 to 1.3 s here while other programs used the disk, so a median wants more than a few.
+MIN_ROUNDS = 9
 
 
 def run(config: dict[str, Any]) -> dict:
@@ -54,7 +62,7 @@ def _measure(record: Record, case: str, state: dict[str, torch.Tensor], config: 
                Entry(BCP, saving(loader, state),
                      [Load(case, lambda p: loader.load(p, live), expected=state, reset=reset),
                       Load(case, lambda p: in_place.load(p, live), expected=state, reset=reset, method=IN_PLACE)])]
-    run_rounds(record, entries, None, config["workdir"], config["reps"], ONE)
+    run_rounds(record, entries, None, config["workdir"], max(config["reps"], MIN_ROUNDS), ONE)
     record.figures[PHASES + case] = loader.phases[1:]  # the warm-up round's load left out
 
 
@@ -92,6 +100,19 @@ class Loading:
         return live
 
 
+def paired_ratios(record: Record, case: str, method: str = BCP) -> list[float]:
+    """Each round's raw read seconds over ``method``'s load seconds in that round (the samples are
+    kept in round order)."""
+    methods = record.samples.get(case, {})
+    return [raw / load for raw, load in zip(methods.get(RAW, []), methods.get(method, []))]
+
+
+def paired_ratio(record: Record, case: str, method: str = BCP) -> float | None:
+    """The median over rounds of ``paired_ratios``: the load's speed against the raw read's."""
+    ratios = paired_ratios(record, case, method)
+    return statistics.median(ratios) if ratios else None
+
+
 def apply_share(record: Record, case: str) -> float | None:
     """The median over the timed default loads of ``apply`` seconds / the load's seconds."""
     phases, times = record.figures.get(PHASES + case), record.samples.get(case, {}).get(BCP)
@@ -109,16 +130,20 @@ def report_lines(record: Record) -> list[str]:
              "reused: bcp with its defaults (verification, transactional staging), with `transactional=False`, "
              "and the raw read of the same bytes into the same tensors (one thread per file, 4 files). "
              "`apply` = placing the staged bytes into the live tensors (an exchange of memory where the "
-             "live storage allows it, else a copy).", ""]
+             "live storage allows it, else a copy). Interleaved rounds; `vs raw read` is the median over "
+             "rounds of each round's raw seconds / the method's seconds, [lowest, highest] beside it.", ""]
     for case in cases:
         nbytes, floor = record.nbytes.get(case), record.median(case, RAW)
         lines += [f"### {case}, {nbytes / 1e6:.0f} MB" if nbytes else f"### {case}", "",
-                  "| method | median s | GB/s | vs raw read | spread s |", "| --- | --- | --- | --- | --- |"]
+                  "| method | rounds | median s | GB/s | vs raw read | spread s |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for method, values in record.samples[case].items():
-            t = statistics.median(values)
-            lines.append(f"| {method} | {t:.4g} | {nbytes / t / 1e9:.2f} | {floor / t:.2f}x | "
+            t, ratios = statistics.median(values), paired_ratios(record, case, method)
+            versus = (f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
+                      if ratios and method != RAW else "-")
+            lines.append(f"| {method} | {len(values)} | {t:.4g} | {nbytes / t / 1e9:.2f} | {versus} | "
                          f"[{min(values):.3g}, {max(values):.3g}] |" if nbytes and floor else
-                         f"| {method} | {t:.4g} | - | - | [{min(values):.3g}, {max(values):.3g}] |")
+                         f"| {method} | {len(values)} | {t:.4g} | - | - | [{min(values):.3g}, {max(values):.3g}] |")
         phases = record.figures.get(PHASES + case) or []
         if phases:
             medians = {key: statistics.median(p.get(key, 0.0) for p in phases)

