@@ -317,7 +317,7 @@ def main() -> None:
     wire = [pack(local_plan(r % args.tp, args.tp, (r // args.tp) % args.pp, args.pp,
                             r // (args.tp * args.pp), args.dp).to_wire()) for r in range(world)]
     built = time.perf_counter() - t0
-    pieces = sum(len(unpack(w)[2]) // 8 for w in wire)
+    pieces = sum(len(unpack(w)["tensor"]) // 8 for w in wire)
 
     with paused_gc():  # as in bcp.save, which runs the coordinator's work with the collector paused
         t0 = time.perf_counter()
