@@ -83,8 +83,8 @@ def codec_for(width: int, exponent_bits: int = 0) -> int:
     return ZSTD_EXPONENT_MANTISSA_PLANES if exponent_bits == 8 else ZSTD_PLANES
 
 
-# One compressor and decompressor per thread and level (a zstd context is not shared between
-# threads; making one per chunk cost more than coding a small chunk).
+# One compressor, decompressor and buffer for decoded planes per thread and level (a zstd context is
+# not shared between threads; making one per chunk cost more than coding a small chunk).
 _contexts = threading.local()
 _UNSIGNED = {2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 #: The bits each element is rotated left by before its planes are split, per codec that rotates.
@@ -125,19 +125,44 @@ def decompress_chunk(stored: memoryview, codec: int, width: int, out: memoryview
         raise ChunkDecodeError(f"unknown codec id {codec}")
     if codec in _PLANAR and (width not in _UNSIGNED or out.nbytes % width):
         raise ChunkDecodeError(f"byte planes of width {width} cannot make {out.nbytes} bytes")
+    if codec == ZSTD:
+        _decompress_into(stored, out)
+        return
+    planes = _planes_buffer(out.nbytes)
+    _decompress_into(stored, planes)
+    join_planes(planes, width, out)
+    if codec in _ROTATION:  # the planes are joined: their buffer holds the rotation's carried bits
+        _rotate_right_in_place(np.frombuffer(out, dtype=_UNSIGNED[width]), _ROTATION[codec],
+                               np.frombuffer(planes, dtype=_UNSIGNED[width]))
+
+
+def _decompress_into(stored: memoryview, out: memoryview) -> None:
+    """Decode one zstd frame straight into ``out``: the frame must say it holds exactly
+    ``out.nbytes`` bytes, checked before decoding, so a damaged or hostile header cannot make this
+    allocate what it claims (zstd then decodes in one pass into ``out``, with no window buffer of its
+    own). Into memory the caller holds, since a fresh buffer per chunk (and the copy out of it) cost
+    the decode of a compressed load a pass over memory and page faults for every chunk."""
     try:
-        # max_output_size bounds what a damaged or hostile frame can make this allocate
-        data = _decompressor().decompress(stored, max_output_size=out.nbytes)
+        claimed = zstandard.frame_content_size(stored)
+        if claimed != out.nbytes:
+            raise ChunkDecodeError(f"the frame holds {'an unknown number of' if claimed < 0 else claimed} "
+                                   f"bytes, {out.nbytes} expected")
+        with _decompressor().stream_reader(stored, read_across_frames=False) as reader:
+            filled = 0
+            while filled < out.nbytes and (got := reader.readinto(out[filled:])):
+                filled += got
     except zstandard.ZstdError as exc:
         raise ChunkDecodeError(f"zstd: {exc}") from None
-    if len(data) != out.nbytes:
-        raise ChunkDecodeError(f"decoded to {len(data)} bytes, {out.nbytes} expected")
-    if codec in _PLANAR:
-        join_planes(memoryview(data), width, out)
-        if codec in _ROTATION:
-            _rotate_right_in_place(np.frombuffer(out, dtype=_UNSIGNED[width]), _ROTATION[codec])
-    else:
-        out[:] = data
+    if filled != out.nbytes:
+        raise ChunkDecodeError(f"decoded to {filled} bytes, {out.nbytes} expected")
+
+
+def _planes_buffer(nbytes: int) -> memoryview:
+    """This thread's memory for a chunk's decoded planes, reused from chunk to chunk."""
+    buffer = getattr(_contexts, "planes", None)
+    if buffer is None or buffer.nbytes < nbytes:
+        buffer = _contexts.planes = memoryview(bytearray(nbytes))
+    return buffer[:nbytes]
 
 
 def split_planes(raw: memoryview, width: int) -> np.ndarray:
@@ -166,11 +191,12 @@ def _rotate_left(values: np.ndarray, bits: int) -> np.ndarray:
     return rotated
 
 
-def _rotate_right_in_place(values: np.ndarray, bits: int) -> None:
-    """The inverse of :func:`_rotate_left`, in place."""
-    low = values << (values.dtype.itemsize * 8 - bits)
+def _rotate_right_in_place(values: np.ndarray, bits: int, carried: np.ndarray) -> None:
+    """The inverse of :func:`_rotate_left`, in place; ``carried`` (as many elements, not ``values``'
+    memory) holds the bits carried around meanwhile."""
+    np.left_shift(values, values.dtype.itemsize * 8 - bits, out=carried)
     values >>= bits
-    values |= low
+    values |= carried
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:

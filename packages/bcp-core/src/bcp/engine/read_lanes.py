@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from bcp.engine.bytes_of import byte_view
 from bcp.engine.read_segments import Segment
 
 # Scratch slots start on cache lines, so any dtype can view them.
@@ -55,6 +56,13 @@ class Scratch:
         self.buffer = torch.empty(0, dtype=torch.uint8)
         self._decoded = torch.empty(0, dtype=torch.uint8)
 
+    def stored(self, nbytes: int) -> memoryview:
+        """Memory for ``nbytes`` of stored bytes read in one piece (the slots' memory: a batch read so
+        has no slots)."""
+        if nbytes > self.buffer.numel():
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return byte_view(self.buffer[:nbytes])
+
     def decoded(self, nbytes: int) -> torch.Tensor:
         """Memory for ``nbytes`` of decoded chunks (apart from the slots, which hold their stored bytes)."""
         if nbytes > self._decoded.numel():
@@ -74,22 +82,36 @@ class Scratch:
 
 
 class Overlapped:
-    """One step at a time on a helper thread, overlapping the caller's next step: ``then`` waits
-    for the previous step (raising its error) and starts the next; ``wait`` waits for the last.
-    Leaving the block waits for a step still running, so none outlives the caller's work."""
+    """Steps run one after another on a helper thread, overlapping the caller's work, in groups (a
+    batch's steps): ``then`` waits for every step before (raising the first one's error) and starts
+    a group of one step; ``begin`` starts a group once those before the last one are done (a worker's
+    two scratch memories alternate between groups); ``add`` queues a step in the current group
+    without waiting; ``wait`` waits for them all. Leaving the block waits for steps still queued, so
+    none outlives the caller's work."""
 
     def __init__(self) -> None:
         self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bcp-read-finish")
-        self._running: Future | None = None
+        self._groups: list[list[Future]] = []
 
     def then(self, step: Callable[[], None]) -> None:
         self.wait()
-        self._running = self._helper.submit(step)
+        self.begin()
+        self.add(step)
+
+    def begin(self) -> None:
+        while len(self._groups) > 1:
+            for step in self._groups.pop(0):
+                step.result()
+        self._groups.append([])
+
+    def add(self, step: Callable[[], None]) -> None:
+        self._groups[-1].append(self._helper.submit(step))
 
     def wait(self) -> None:
-        running, self._running = self._running, None
-        if running is not None:
-            running.result()
+        groups, self._groups = self._groups, []
+        for group in groups:
+            for step in group:
+                step.result()
 
     def __enter__(self) -> "Overlapped":
         return self

@@ -26,6 +26,20 @@ class ViewReads(Protocol):
         its own to hand out (the caller then reads into its own memory)."""
 
 
+@runtime_checkable
+class StreamedReads(Protocol):
+    """A storage that can hand a read's bytes over as they arrive: a reader that decodes stored
+    chunks then decodes the first ones while the rest are still on their way, where it would
+    otherwise wait for the whole request before decoding any."""
+
+    def read_streamed(self, name: str, offset: int, dest: memoryview, arrived: Callable[[int], None]) -> bool:
+        """Read ``dest.nbytes`` bytes from ``offset`` of ``name`` into ``dest``, calling ``arrived(n)``
+        (on the calling thread, quickly) each time the first ``n`` bytes of ``dest`` are in place
+        (``EOFError`` if the file ends first); False, having read nothing, where this storage would
+        not read that range in one request (the caller then reads it otherwise). A retried read
+        starts over: ``n`` may then go down again, over the same bytes."""
+
+
 class RangeReads:
     """Mixin: ``read_into``/``read_into_many``/``read_views`` over ``read_range``, which fetches only
     the wanted bytes; the fetched parts are scattered into the caller's buffers without joining them,

@@ -29,7 +29,7 @@ from typing import Protocol, TypeVar
 from bcp.errors import StorageError
 from bcp.storage.base import Storage
 from bcp.storage.parted_writes import PartedUpload, PartedWrites, part_bodies
-from bcp.storage.range_reads import ViewReads
+from bcp.storage.range_reads import StreamedReads, ViewReads
 
 log = logging.getLogger("bcp.storage")
 T = TypeVar("T")
@@ -192,6 +192,15 @@ class RetryingStorage(Storage):
         views_of = self.inner
         return self._call(f"reading {self._where(name, offset, sum(sizes))}",
                           lambda: views_of.read_views(name, offset, sizes))
+
+    def read_streamed(self, name: str, offset: int, dest: memoryview, arrived: Callable[[int], None]) -> bool:
+        """``inner``'s streamed read (:class:`~bcp.storage.range_reads.StreamedReads`), retried whole;
+        False where it has none."""
+        if not isinstance(self.inner, StreamedReads):
+            return False
+        streams = self.inner
+        return self._call(f"reading {self._where(name, offset, dest.nbytes)}",
+                          lambda: streams.read_streamed(name, offset, dest, arrived))
 
     def read_bytes(self, name: str) -> bytes:
         return self._call(f"reading {self._where(name)}", lambda: self.inner.read_bytes(name))

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain
 from typing import Any
 
 from bcp.errors import StorageError
-from bcp.storage.names import child_names, join_key, split_url
+from bcp.storage.names import child_names, flat_bytes, join_key, split_url
 from bcp.storage.parted_writes import joined, part_bodies
 from bcp.storage.range_reads import RangeReads, cut_views, request_spans
 from bcp.storage.retry import RetryingStorage, RetryPolicy
@@ -33,6 +33,9 @@ from bcp.storage.s3_multipart import MIN_PART_BYTES, MultipartUpload
 PART_BYTES = 16 << 20
 """Multipart part size and about the size of one ranged GET (by default); large enough that per-request overhead is
 small, small enough that many parts of one file travel in parallel."""
+STREAM_PIECE_BYTES = 1 << 20
+"""The pieces a streamed GET's body is handed over in: a compressed checksum chunk's stored bytes
+or less, so a chunk can be decoded soon after its last byte arrives."""
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]+)</Code>")
@@ -147,6 +150,28 @@ class S3Objects(RangeReads):
         buffer, a view across two GETs is joined (a copy)."""
         return cut_views(self._get(name, request_spans(offset, sum(sizes), self.part_bytes)), sizes,
                          lambda end: f"{self.root}/{name}: file ends before byte {offset + end}")
+
+    def read_streamed(self, name: str, offset: int, dest: memoryview, arrived: Callable[[int], None]) -> bool:
+        """One ranged GET into ``dest``, ``arrived(n)`` called as its body comes in (in pieces of at
+        least ``STREAM_PIECE_BYTES``); False for a range that :meth:`read_range` would fetch in
+        several GETs at once (longer than a part, or across a part's end where that adds no GET)."""
+        nbytes = dest.nbytes
+        if not nbytes or len(request_spans(offset, nbytes, self.part_bytes)) != 1:
+            return False
+        filled = 0
+        with self._request(name):
+            result = self._ob.get(self._store, self._key(name), options={"range": (offset, offset + nbytes)})
+            for piece in result.stream(min_chunk_size=STREAM_PIECE_BYTES):
+                view = flat_bytes(memoryview(piece))
+                if filled + view.nbytes > nbytes:
+                    raise S3RequestError(f"{self.root}/{name}: the server sent more than the {nbytes} bytes asked for",
+                                         None, None)
+                dest[filled: filled + view.nbytes] = view
+                filled += view.nbytes
+                arrived(filled)
+        if filled < nbytes:
+            raise EOFError(f"{self.root}/{name}: file ends before byte {offset + nbytes}")
+        return True
 
     def _get(self, name: str, spans: list[tuple[int, int]]) -> list[Any]:
         """One ranged GET per ``(start, end)`` span, each holding one of the store's request slots
