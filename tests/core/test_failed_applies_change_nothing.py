@@ -175,3 +175,26 @@ def test_an_fqn_keyed_optimizer_dict_and_a_dict_model_are_given_back_too(tmp_pat
         bcp.load(tmp_path, live)
     assert not differences(before, {"model": live["model"], "optimizer": live["optimizer"]}, "state")
     assert live["optimizer"]["state"]["2.weight"] is held
+
+
+def test_a_place_that_fails_part_way_is_taken_back(tmp_path, monkeypatch):
+    """Placing exchanged the model's storages, then the copy of the tensor in shared memory failed
+    after its first byte landed. A mock, because host memory running out there cannot be produced
+    safely for real: the copy raises MemoryError once it has written part of its target."""
+    from bcp.engine.load_staging import Staging
+
+    def failing_copy(self: Staging, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for live, staging in pairs:
+            live.view(-1)[:1].copy_(staging.view(-1)[:1])
+            raise MemoryError("no host memory left for the copy")
+
+    bcp.save(tmp_path, _state(seed=3))
+    state = _state(seed=1)
+    before = _snapshot(state)
+    monkeypatch.setattr(Staging, "_copy_into_live", failing_copy)
+    with pytest.raises(Exception, match="no host memory left"):
+        bcp.load(tmp_path, state)
+    assert not differences(before, _snapshot(state), "state")
+    monkeypatch.undo()
+    bcp.load(tmp_path, state)
+    assert torch.equal(state["shared"], torch.full((32,), 3.0))

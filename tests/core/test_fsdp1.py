@@ -1,5 +1,6 @@
-"""FSDP1 flat parameters are saved from each rank's local flat shard with no collective besides
-planning, and training resumes from them (its resharding layouts are in test_resharding.py)."""
+"""FSDP1 flat parameters are saved from each rank's local flat shard, and loaded into it, with no
+collective besides planning (a load never calls the model's ``state_dict()``, which all-gathers
+under FSDP1), and training resumes from them (its resharding layouts are in test_resharding.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ COLLECTIVES = ["all_gather", "all_gather_into_tensor", "_all_gather_base", "all_
                "all_to_all", "all_to_all_single", "barrier", "send", "recv"]
 
 
-def count_collectives_during_save(path: str) -> list[str]:
-    """Every torch.distributed collective issued while bcp saves an FSDP1 model, after one barrier
-    of the test's own (bcp plans on a gloo group of its own, outside torch.distributed's functions)."""
+def count_collectives(path: str, operation: str) -> list[str]:
+    """Every torch.distributed collective issued while bcp saves an FSDP1 model (``operation``
+    "save") or loads the saved one into it ("load"), after one barrier of the test's own (bcp plans
+    on a gloo group of its own, outside torch.distributed's functions)."""
     model, optimizer = build("fsdp1", seed=1)
     train(model, optimizer, range(2))
     coordinator = bcp.TorchCoordinator()
+    if operation == "load":
+        bcp.save(path, {"model": model, "optimizer": optimizer}, coordinator=coordinator)
     calls: list[str] = []
     originals = {name: getattr(dist, name) for name in COLLECTIVES}
 
@@ -33,15 +37,16 @@ def count_collectives_during_save(path: str) -> list[str]:
         for name, fn in originals.items():
             setattr(dist, name, counting(name, fn))
         dist.barrier()
-        bcp.save(path, {"model": model, "optimizer": optimizer}, coordinator=coordinator)
+        getattr(bcp, operation)(path, {"model": model, "optimizer": optimizer}, coordinator=coordinator)
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
     return calls
 
 
-def test_fsdp1_save_runs_no_collective_besides_planning(ranks, tmp_path):
-    for calls in ranks(2).run(count_collectives_during_save, str(tmp_path / "ckpt")):
+@pytest.mark.parametrize("operation", ["save", "load"])
+def test_fsdp1_saves_and_loads_run_no_collective_besides_planning(ranks, tmp_path, operation):
+    for calls in ranks(2).run(count_collectives, str(tmp_path / "ckpt"), operation):
         assert calls == ["barrier"], "the counter must see the test's barrier and nothing else"
 
 

@@ -10,7 +10,7 @@ With ``use_orig_params=True`` the optimizer's per-parameter state is shaped like
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -79,6 +79,11 @@ class FSDP1Adapter(FrameworkAdapter):
 
     def load_model_state(self, model: Any, values: dict[str, Any]) -> None:
         """Everything was filled in place: flat shards alias the flat parameters, buffers are live."""
+
+    def kept_model_state(self, model: Any) -> Callable[[], None]:
+        """Nothing beyond the tensors' bytes, which the engine gives back (and never
+        ``model.state_dict()`` here: under FSDP1 that all-gathers, on a load that may be failing)."""
+        return lambda: None
 
     def optimizer_state(self, model: Any, optimizer: Any, *, for_load: bool) -> dict[str, Any]:
         self._check_orig_params(model)

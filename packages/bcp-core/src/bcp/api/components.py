@@ -156,8 +156,8 @@ def _applying(name: str) -> Iterator[None]:
         exc.args = (exc._formatted(),)
         raise
     except Exception as exc:
-        raise CheckpointError(f"giving it its loaded state raised {type(exc).__name__}: {exc}; every change "
-                              "the load made is taken back", key=name) from exc
+        raise CheckpointError(f"giving it its loaded state raised {type(exc).__name__}: {exc}; the load's changes "
+                              "are taken back (with transactional=False, bytes placed as read stay)", key=name) from exc
 
 
 def _put_back(container: Any, key: Any, previous: Any) -> Callable[[], None]:

@@ -187,15 +187,15 @@ def _load(source: ReadSource, want: Want, options: LoadOptions, coord: Coordinat
     undo = Undo()
     with stats.phase("apply"):
         applied = Outcome.of(lambda: _apply(planned.value, read.value, undo, checkpoint.path))
-        if applied.error is not None:
-            undo.run(applied.error)
     # every rank's metrics record travels on the final agreement, so monitoring adds no exchange;
     # the coordinating rank's own record, completed after it, also holds its wait there
     with stats.phase("confirm"):
         try:
             every_rank = all_agree(coord, Outcome(monitor.rank_wire(), applied.error),
                                    f"restoring the state loaded from {checkpoint.path}")
-        except BaseException as exc:  # another rank's apply failed (or a peer died): take this one's back
+        except BaseException as exc:  # this rank's apply or another's failed (or a peer died)
+            # every rank takes its changes back here, after the agreement and not before it, so an
+            # undo step that talks to the other ranks (a user's Stateful) meets them all there
             undo.run(exc)
             raise
         finally:  # the staging buffers serve the next load, whatever happened to this one
@@ -380,8 +380,8 @@ def _apply(plan: _Plan, loaded: dict[str, Any], undo: Undo, path: str) -> None:
     """Every rank has read and verified everything: place staged bytes into the live tensors, then
     give the values back to the live objects, recording in ``undo`` how to take each change back
     (a load that is not transactional may have placed bytes as they were read: those stay)."""
+    undo.on_contents(plan.staging.unplace)  # before placing: a place that fails part way is taken back too
     plan.staging.place([(piece.tensor, staging) for piece, staging in plan.staged], undoable=not plan.place_as_read)
-    undo.on_contents(plan.staging.unplace)
     try:
         if isinstance(plan.wanted, UndoableWanted):
             plan.wanted.apply_undoable(loaded, undo)

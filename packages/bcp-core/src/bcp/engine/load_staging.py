@@ -104,6 +104,7 @@ class Staging:
         self._placing: list[Future] = []
         self._placed: set[int] = set()  # ids of the staging tensors placed as soon as they were read
         self._previous: list[tuple[torch.Tensor, torch.Tensor]] = []  # (live, its bytes before an undoable place)
+        self._exchanged: list[_Mirror] = []  # the mirrors place() exchanged so far, for unplace()
 
     def in_host_memory(self, tensor: torch.Tensor) -> bool:
         """Whether reads may land in ``tensor`` itself: host memory, not an accelerator's."""
@@ -175,18 +176,23 @@ class Staging:
         for mirror in self._mirrors:
             _fill_gaps(mirror)
             _exchange(mirror)
+            self._exchanged.append(mirror)
         mirrored = {id(t) for mirror in self._mirrors for t in mirror.tensors}
         copied = [(live, staging) for live, staging in pairs
                   if id(live) not in mirrored and id(staging) not in self._placed]
         if undoable:
             self._previous = [(live, live.to("cpu", copy=True)) for live, _ in copied]
-        self._copy_into_live(copied)
-        self._copies.hand_over()
+        try:
+            self._copy_into_live(copied)
+        finally:  # copies in flight on a side stream land before anything (an unplace) follows
+            self._copies.hand_over()
 
     def unplace(self) -> None:
-        """Give the live tensors placed by an undoable :meth:`place` the bytes they held before it."""
-        for mirror in self._mirrors:
+        """Give the live tensors placed by an undoable :meth:`place` the bytes they held before it,
+        also where that place failed part way (only what it exchanged is exchanged back)."""
+        for mirror in reversed(self._exchanged):
             _exchange(mirror)  # the staging storage holds the live one's previous memory, untouched
+        self._exchanged = []
         for live, previous in self._previous:
             live.copy_(previous)
         self._previous = []
@@ -197,7 +203,8 @@ class Staging:
         self._stop_placing()
         if self._storages:
             self._pool.keep(self._storages)
-        self._mirrors, self._storages, self._placing, self._placed, self._previous = [], [], [], set(), []
+        self._mirrors, self._storages, self._placing, self._placed = [], [], [], set()
+        self._previous, self._exchanged = [], []
 
     def _copy_into_live(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         to_device = []
