@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -133,14 +133,17 @@ def assert_restored(expected: dict[str, Any], actual: dict[str, Any]) -> None:
 # Cases shared by the DDP and FSDP2 tests.
 
 
-def resume_matches_uninterrupted(path: str, saved: list[dict], fsdp2: bool) -> None:
-    """Load the checkpoint saved after ``SAVED_AT`` steps into fresh objects with scrambled RNG:
+def resume_matches_uninterrupted(path: str, saved: list[dict], fsdp2: bool, registered: Sequence[Any] = ()) -> None:
+    """Load the checkpoint saved after ``SAVED_AT`` steps into fresh objects with scrambled RNG
+    (and the ``registered`` objects registered for checkpointing, as the save had them):
     everything is restored, and the next steps equal those of an uninterrupted run, bitwise."""
     with session(fsdp2=fsdp2) as accelerator:
         model, optimizer, scheduler = build(accelerator, seed=1)
         reference = train(accelerator, model, optimizer, scheduler, range(STEPS))
         final = full_state(model, optimizer)
     with session("bcp", fsdp2=fsdp2) as accelerator:
+        for obj in registered:
+            accelerator.register_for_checkpointing(obj)
         model, optimizer, scheduler = build(accelerator, seed=2)
         scramble_rng()
         accelerator.load_state(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import lightning as L
 import pytest
+import torch
 
 import bcp
 from bcp_lightning import BCPCheckpointIO
@@ -22,11 +23,20 @@ def _trainer(plugin: BCPCheckpointIO, recorder: Recorder, max_steps: int) -> L.T
                      num_sanity_val_steps=0, callbacks=[recorder])
 
 
+class LitMLPWithMask(LitMLP):
+    """LitMLP whose checkpoint also holds a tensor that compresses (a mask of zeros, added by its
+    ``on_save_checkpoint``): the MLP's tensors hold a few hundred values each, too few for any codec
+    to shrink."""
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["mask"] = torch.zeros(4096)
+
+
 def test_a_compressed_checkpoint_resumes_bitwise(tmp_path):
     path = str(tmp_path / "last.ckpt")
     saving = Recorder(resumed=False)
     trainer = _trainer(BCPCheckpointIO(compression="zstd"), saving, SAVED_AT)
-    trainer.fit(LitMLP(), datamodule=Data(stateful=True))
+    trainer.fit(LitMLPWithMask(), datamodule=Data(stateful=True))
     trainer.save_checkpoint(path)
     assert_compressed(path)
     resuming = Recorder(resumed=True)
